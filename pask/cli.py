@@ -1,0 +1,174 @@
+"""`pask` command line: generate, eval, bench, inspect.
+
+Every user error (bad model name, corrupt model part, bad request file, unknown
+category, ...) is a :class:`PaskError`: one clear message, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from pask.errors import PaskError
+from pask.models import DEFAULT_MODEL
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Parser-aware structural KV persistence.")
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a model + KV policy on a task.")
+bench_app = typer.Typer(no_args_is_help=True, help="Micro-benchmarks.")
+app.add_typer(eval_app, name="eval")
+app.add_typer(bench_app, name="bench")
+console = Console(stderr=True)
+
+
+def user_errors(fn):
+    """Turn PaskError (and a few predictable OS errors) into one message + exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PaskError as e:
+            console.print(f"[bold red]error:[/] {e}")
+            raise typer.Exit(2) from None
+        except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+            console.print(f"[bold red]error:[/] {e.strerror}: {e.filename}")
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def _threads(n: int | None) -> None:
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+
+
+def _dtype(name: str):
+    import torch
+
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+    if name not in table:
+        raise PaskError(f"unknown dtype '{name}'; choose bf16 or fp32")
+    return table[name]
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
+@app.command()
+@user_errors
+def generate(
+    request_file: Annotated[Path, typer.Argument(help="JSON file: {'messages': [...], 'tools': [...]}")],
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    max_new_tokens: int = 384,
+    dtype: str = "bf16",
+    threads: int | None = None,
+) -> None:
+    """Run one request (messages + OpenAI-style tools) under the tool-call grammar; print the calls."""
+    from pask.engine import Request, eos_ids
+    from pask.engine import generate as run
+    from pask.models import load_model
+    from pask.structure.constraint import Constraint, ll_tokenizer
+    from pask.tasks.function_calling import build_grammar, parse_calls
+
+    req = _read_request(request_file)
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+    tok = lm.tokenizer
+    prompt = tok.apply_chat_template(req["messages"], tools=req["tools"], add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    constraint = Constraint(ll_tokenizer(tok, eos_ids(tok)), build_grammar(req["tools"], tok))
+    (g,) = run(lm, [Request(ids, constraint, max_new_tokens, parse=parse_calls)])
+    print(json.dumps({"calls": g.parsed, "text": g.text, "stop": g.stop_reason, "tpot_ms": round(g.tpot_ms, 2)}))
+
+
+def _read_request(path: Path) -> dict:
+    try:
+        req = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PaskError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(req, dict) or not isinstance(req.get("messages"), list) or not req["messages"]:
+        raise PaskError(f"{path}: expected an object with a non-empty 'messages' list")
+    tools = req.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise PaskError(f"{path}: expected a non-empty 'tools' list")
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise PaskError(f"{path}: every tool needs {{'type': 'function', 'function': {{'name': ...}}}}")
+        fn.setdefault("parameters", {"type": "object", "properties": {}})
+    return req
+
+
+@eval_app.command("bfcl")
+@user_errors
+def eval_bfcl(
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    policy: Annotated[str, typer.Option(help="KV policy")] = "full",
+    budget: Annotated[float | None, typer.Option(help="target total KV budget B in (0, 1]")] = None,
+    split: Annotated[str, typer.Option(help="calibration | dev | test | all")] = "test",
+    categories: Annotated[str, typer.Option(help="comma-separated BFCL categories")] = (
+        "simple,multiple,parallel,parallel_multiple"
+    ),
+    limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
+    batch_size: Annotated[int, typer.Option(help="requests decoded together")] = 8,
+    max_new_tokens: int = 384,
+    out: Annotated[Path | None, typer.Option(help="output dir (resumes if it has results)")] = None,
+    dtype: str = "bf16",
+    threads: int | None = None,
+) -> None:
+    """Evaluate BFCL categories; writes cases.jsonl, summary.json and summary.md (paper Table 1 layout)."""
+    from pask.evaluation.run_bfcl import run_bfcl, table_markdown
+    from pask.models import load_model
+    from pask.tasks.function_calling import load_cases
+
+    cats = [c.strip() for c in categories.split(",") if c.strip()]
+    cases = load_cases(cats, split=split, limit=limit)  # validates categories/split before the model loads
+    if not cases:
+        raise PaskError(f"no cases for categories {cats} in split '{split}'")
+    if budget is not None and not 0 < budget <= 1:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    cache_factory = _cache_factory(policy, budget)
+    out = out or Path("runs") / f"bfcl-{model.replace('/', '_')}-{policy}-{split}"
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+    meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats}
+    meta["command"] = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with progress_bar() as bar:
+        task = bar.add_task(f"bfcl {policy}", total=len(cases))
+        advance = lambda n: bar.advance(task, n)  # noqa: E731
+        summary = run_bfcl(lm, cases, out, batch_size, max_new_tokens, cache_factory, advance, meta)
+    print(table_markdown(summary, meta))
+    console.print(f"results: {out}/")
+
+
+def _cache_factory(policy: str, budget: float | None):
+    """KV cache for a policy; ``full`` uses transformers' DynamicCache."""
+    if policy == "full":
+        return None
+    raise PaskError(f"unknown policy '{policy}'; available: full")
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

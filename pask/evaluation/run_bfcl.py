@@ -1,0 +1,212 @@
+"""BFCL evaluation harness: batched, resumable, per-case JSONL + summary (paper Table 1 layout)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jsonschema
+
+from pask.engine import Generation, Request, eos_ids, generate
+from pask.errors import PaskError
+from pask.evaluation.bfcl import check_calls
+from pask.models import LoadedModel
+from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
+from pask.tasks.function_calling import FunctionCase, build_grammar, build_prompt, parse_calls
+
+TABLE_ORDER = ("simple", "multiple", "parallel", "parallel_multiple")
+LIVE_ORDER = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
+
+
+@dataclass
+class CaseResult:
+    id: str
+    category: str
+    prompt_len: int
+    output: str
+    calls: list | None
+    correct: bool
+    valid: bool  # output parsed and satisfies the offered schemas
+    error: str | None
+    stop_reason: str
+    n_generated: int
+    prefill_ms: float
+    tpot_ms: float
+    budget: dict | None = None
+
+
+def schema_valid(case: FunctionCase, text: str) -> str | None:
+    """Independent check (jsonschema) that every call names an offered tool and fits its schema."""
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in case.tools}
+    calls = parse_calls(text)  # legal names
+    if not calls:
+        return "no tool call"
+    for call in calls:
+        ((name, args),) = call.items()
+        if name not in tools:
+            return f"unknown function {name}"
+        try:
+            jsonschema.validate(args, tools[name])
+        except jsonschema.ValidationError as e:
+            return f"schema violation in {name}: {e.message}"
+    return None
+
+
+def prepare(lm: LoadedModel, case: FunctionCase, max_new_tokens: int) -> tuple[Request | None, str | None]:
+    """Prompt ids + grammar constraint for a case; a schema the grammar can't take is reported."""
+    tok = lm.tokenizer
+    ids = tok(build_prompt(tok, case), add_special_tokens=False)["input_ids"]
+    try:
+        constraint = Constraint(ll_tokenizer(tok, eos_ids(tok)), build_grammar(case.tools, tok))
+    except SchemaError as e:
+        return Request(ids), f"schema_error: {e}"
+    return Request(ids, constraint, max_new_tokens, parse=lambda t: parse_calls(t, case.name_map)), None
+
+
+def score(case: FunctionCase, gen: Generation) -> CaseResult:
+    calls = gen.parsed if gen.parse_error is None else None
+    error = gen.parse_error
+    valid_err = None if gen.stop_reason != "length" else "output truncated at max_new_tokens"
+    if valid_err is None and error is None:
+        valid_err = schema_valid(case, gen.text)
+    correct = False
+    if calls is not None and valid_err is None:
+        res = check_calls(case.functions, calls, case.possible_answer or [], case.category)
+        correct, error = res.correct, res.error
+    return CaseResult(
+        id=case.id,
+        category=case.category,
+        prompt_len=gen.prompt_len,
+        output=gen.text,
+        calls=calls,
+        correct=correct,
+        valid=valid_err is None and gen.parse_error is None,
+        error=error or valid_err,
+        stop_reason=gen.stop_reason,
+        n_generated=len(gen.token_ids),
+        prefill_ms=round(gen.prefill_ms, 2),
+        tpot_ms=round(gen.tpot_ms, 2),
+        budget=gen.extra.get("budget"),
+    )
+
+
+def read_done(path: Path) -> dict[str, dict]:
+    """Finished cases of a previous (interrupted) run; a torn last line is ignored."""
+    done: dict[str, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[row["id"]] = row
+    return done
+
+
+def run_bfcl(
+    lm: LoadedModel,
+    cases: list[FunctionCase],
+    out_dir: Path,
+    batch_size: int = 8,
+    max_new_tokens: int = 384,
+    cache_factory: Callable | None = None,
+    progress: Callable[[int], None] | None = None,
+    meta: dict | None = None,
+) -> dict:
+    """Evaluate cases (resuming from ``out_dir/cases.jsonl``) and write the summary; return it."""
+    if batch_size < 1:
+        raise PaskError("--batch-size must be >= 1")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "cases.jsonl"
+    done = read_done(jsonl)
+    todo = [c for c in cases if c.id not in done]
+    if progress:
+        progress(len(cases) - len(todo))
+    prepared = [(c, *prepare(lm, c, max_new_tokens)) for c in todo]
+    prepared.sort(key=lambda x: len(x[1].prompt_ids))  # less padding per batch
+    t0 = time.perf_counter()
+    n_run = 0
+    with open(jsonl, "a") as f:
+        for c, _req, err in [p for p in prepared if p[2] is not None]:
+            row = CaseResult(
+                c.id, c.category, len(_req.prompt_ids), "", None, False, False, err, "schema_error", 0, 0, 0
+            )
+            f.write(json.dumps(asdict(row)) + "\n")
+            if progress:
+                progress(1)
+        runnable = [p for p in prepared if p[2] is None]
+        for i in range(0, len(runnable), batch_size):
+            chunk = runnable[i : i + batch_size]
+            kwargs = {} if cache_factory is None else {"cache_factory": cache_factory}
+            gens = generate(lm, [r for _, r, _ in chunk], **kwargs)
+            for (c, _, _), g in zip(chunk, gens, strict=True):
+                f.write(json.dumps(asdict(score(c, g))) + "\n")
+            f.flush()
+            n_run += len(chunk)
+            if progress:
+                progress(len(chunk))
+    wall = time.perf_counter() - t0
+    rows = list(read_done(jsonl).values())
+    wanted = {c.id for c in cases}
+    rows = [r for r in rows if r["id"] in wanted]
+    summary = summarize(rows)
+    summary["run"] = {**(meta or {}), "cases_this_run": n_run, "wall_s_this_run": round(wall, 1)}
+    if n_run:
+        summary["run"]["cases_per_s"] = round(n_run / wall, 3)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "summary.md").write_text(table_markdown(summary, meta))
+    return summary
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per-category accuracy (%) + Overall (mean over cases), validity and measured budget."""
+    cats: dict[str, list[dict]] = {}
+    for r in rows:
+        cats.setdefault(r["category"], []).append(r)
+    per = {}
+    for cat, rs in cats.items():
+        per[cat] = {
+            "n": len(rs),
+            "correct": sum(r["correct"] for r in rs),
+            "accuracy": round(100 * sum(r["correct"] for r in rs) / len(rs), 2),
+            "valid": sum(r["valid"] for r in rs),
+        }
+    n = len(rows)
+    budgets = [r["budget"]["b_total"] for r in rows if r.get("budget")]
+    return {
+        "categories": per,
+        "overall": {
+            "n": n,
+            "correct": sum(r["correct"] for r in rows),
+            "accuracy": round(100 * sum(r["correct"] for r in rows) / n, 2) if n else 0.0,
+            "valid": sum(r["valid"] for r in rows),
+            "schema_errors": sum(r["stop_reason"] == "schema_error" for r in rows),
+        },
+        "measured_b": round(sum(budgets) / len(budgets), 4) if budgets else 1.0,
+    }
+
+
+def table_markdown(summary: dict, meta: dict | None = None) -> str:
+    """Markdown in the layout of the paper's Table 1 (per category + Overall)."""
+    meta = meta or {}
+    cats = [c for c in (*TABLE_ORDER, *LIVE_ORDER) if c in summary["categories"]]
+    head = ["Model", "Method", "B", *cats, "Overall"]
+    cells = [
+        meta.get("model", "?"),
+        meta.get("policy", "?"),
+        f"{summary['measured_b']:.3f}",
+        *[f"{summary['categories'][c]['accuracy']:.2f}" for c in cats],
+        f"{summary['overall']['accuracy']:.2f}",
+    ]
+    ns = ["", "", "n", *[str(summary["categories"][c]["n"]) for c in cats], str(summary["overall"]["n"])]
+    lines = []
+    if meta.get("command"):
+        lines += [f"Command: `{meta['command']}`", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(cells) + " |"]
+    lines += ["| " + " | ".join(ns) + " |", ""]
+    o = summary["overall"]
+    lines.append(f"Valid outputs: {o['valid']}/{o['n']}; schema errors: {o['schema_errors']}.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,254 @@
+"""BFCL function calling: cases, splits, JSON Schema conversion, prompt, grammar, parsing.
+
+The model's native tool-call format (Qwen2.5) is one or more blocks::
+
+    <tool_call>
+    {"name": "f", "arguments": {...}}
+    </tool_call>
+
+separated by a newline. The grammar admits exactly that, each call's JSON
+constrained by the offered tools.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from pask.errors import PaskError
+from pask.evaluation.bfcl import CATEGORIES, bfcl_data_dir, load_possible_answers
+from pask.structure.constraint import lark_json
+
+NON_LIVE = ("simple", "multiple", "parallel", "parallel_multiple")
+LIVE = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
+SPLITS = ("calibration", "dev", "test")
+# Non-live split sizes per category (calibration, dev, test): 200 / 200 / 600 overall.
+SPLIT_SIZES = {
+    "simple": (80, 80, 240),
+    "multiple": (40, 40, 120),
+    "parallel": (40, 40, 120),
+    "parallel_multiple": (40, 40, 120),
+}
+SPLIT_SEED = 20260323
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+_TYPE_MAP = {
+    "dict": "object",
+    "float": "number",
+    "tuple": "array",
+    "integer": "integer",
+    "int": "integer",
+    "string": "string",
+    "str": "string",
+    "boolean": "boolean",
+    "bool": "boolean",
+    "array": "array",
+    "list": "array",
+    "number": "number",
+    "object": "object",
+}
+
+
+@dataclass
+class FunctionCase:
+    """One BFCL case with its tools in JSON Schema form."""
+
+    id: str
+    category: str
+    messages: list[dict]
+    functions: list[dict]  # BFCL docs, original names
+    tools: list[dict] = field(default_factory=list)  # OpenAI-style tools, legal names
+    name_map: dict[str, str] = field(default_factory=dict)  # legal name -> original
+    possible_answer: list[dict] | None = None
+
+
+def legal_name(name: str) -> str:
+    """Map a BFCL function name to one the chat template and grammar accept."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name.replace(".", "_"))
+
+
+def to_json_schema(node: dict | None) -> dict:
+    """Convert a BFCL parameter doc to JSON Schema (dict→object, float→number, tuple→array, any→{})."""
+    if not isinstance(node, dict):
+        return {}
+    out: dict = {}
+    t = node.get("type")
+    if isinstance(t, str):
+        if t == "any":
+            pass
+        elif t in _TYPE_MAP:
+            out["type"] = _TYPE_MAP[t]
+        else:
+            raise PaskError(f"unsupported BFCL type '{t}'")
+    for key in ("description", "enum", "format", "minimum", "maximum", "pattern"):
+        if key in node:
+            out[key] = node[key]
+    if "default" in node and node.get("default") is not None:
+        out["default"] = node["default"]
+    if (out.get("type") == "array" or t == "tuple") and "items" in node:
+        out["items"] = to_json_schema(node["items"])
+    if out.get("type") == "object" and "properties" in node:
+        props = node["properties"] or {}
+        out["properties"] = {k: to_json_schema(v) for k, v in props.items()}
+        req = [r for r in node.get("required", []) if r in props]
+        out["required"] = req
+        out["additionalProperties"] = False
+    if "enum" in out and out.get("type") == "integer":
+        out["enum"] = [e for e in out["enum"] if isinstance(e, int)] or out.pop("enum")
+    return out
+
+
+def to_tools(functions: list[dict]) -> tuple[list[dict], dict[str, str]]:
+    """BFCL function docs → OpenAI-style tools with legal names, plus the name map back."""
+    tools, name_map = [], {}
+    for f in functions:
+        legal = legal_name(f["name"])
+        if legal in name_map and name_map[legal] != f["name"]:
+            raise PaskError(f"two functions map to the same legal name '{legal}'")
+        name_map[legal] = f["name"]
+        params = to_json_schema({**f.get("parameters", {}), "type": "dict"})
+        params.setdefault("properties", {})
+        params.setdefault("required", [])
+        tools.append(
+            {
+                "type": "function",
+                "function": {"name": legal, "description": f.get("description", ""), "parameters": params},
+            }
+        )
+    return tools, name_map
+
+
+def _read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _file_for(category: str) -> str:
+    return "simple_python" if category == "simple" else category
+
+
+@lru_cache(maxsize=16)
+def _load_category(category: str) -> tuple[FunctionCase, ...]:
+    if category not in CATEGORIES:
+        raise PaskError(f"unknown BFCL category '{category}'; choose from: {', '.join(CATEGORIES)}")
+    rows = _read_jsonl(bfcl_data_dir() / f"BFCL_v4_{_file_for(category)}.json")
+    answers = load_possible_answers(category)
+    cases = []
+    for row in rows:
+        tools, name_map = to_tools(row["function"])
+        messages = row["question"][0] if row["question"] and isinstance(row["question"][0], list) else row["question"]
+        cases.append(
+            FunctionCase(
+                id=row["id"],
+                category=category,
+                messages=list(messages),
+                functions=row["function"],
+                tools=tools,
+                name_map=name_map,
+                possible_answer=answers.get(row["id"]),
+            )
+        )
+    return tuple(cases)
+
+
+def split_ids(category: str, split: str) -> list[str]:
+    """Fixed seeded, per-category (stratified) split; live categories are test-only."""
+    if split not in (*SPLITS, "all"):
+        raise PaskError(f"unknown split '{split}'; choose from: {', '.join((*SPLITS, 'all'))}")
+    ids = [c.id for c in _load_category(category)]
+    if split == "all":
+        return ids
+    if category in LIVE:
+        return ids if split == "test" else []
+    order = list(ids)
+    random.Random(f"{SPLIT_SEED}:{category}").shuffle(order)
+    n_cal, n_dev, n_test = SPLIT_SIZES[category]
+    bounds = {"calibration": (0, n_cal), "dev": (n_cal, n_cal + n_dev), "test": (n_cal + n_dev, n_cal + n_dev + n_test)}
+    lo, hi = bounds[split]
+    chosen = set(order[lo:hi])
+    return [i for i in ids if i in chosen]  # keep file order
+
+
+def load_cases(categories: list[str], split: str = "test", limit: int | None = None) -> list[FunctionCase]:
+    """Cases of the given categories and split; ``limit`` takes a stratified prefix per category."""
+    out = []
+    for cat in categories:
+        by_id = {c.id: c for c in _load_category(cat)}
+        ids = split_ids(cat, split)
+        if limit is not None:
+            ids = ids[:limit]
+        out.extend(by_id[i] for i in ids)
+    return out
+
+
+# Optional system message (off by default: BFCL prompts as shipped). Tried as a way to make small
+# models emit several calls; qwen2.5-coder-0.5b still stops after one, so it stays opt-in.
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. If the request needs several function calls (several items, "
+    "values or tasks), make all of them: one <tool_call></tool_call> block per call, before ending your turn."
+)
+
+
+def build_prompt(tokenizer, case: FunctionCase, system: str | None = None) -> str:
+    """Render the case through the model's own chat template with ``tools=``."""
+    messages = case.messages
+    if system and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": system}, *messages]
+    return tokenizer.apply_chat_template(messages, tools=case.tools, add_generation_prompt=True, tokenize=False)
+
+
+def call_schema(tool: dict) -> dict:
+    """JSON Schema of one call ``{"name": ..., "arguments": {...}}`` for a tool."""
+    fn = tool["function"]
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def marker(tokenizer, text: str) -> str:
+    """Lark terminal for a tool-call marker: its single special token if the vocabulary has one."""
+    if tokenizer is not None:
+        tid = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            return f"<[{tid}]>"
+    return json.dumps(text)
+
+
+def build_grammar(tools: list[dict], tokenizer=None, max_calls: int | None = None) -> str:
+    """Lark grammar: one or more native tool-call blocks, each constrained by the offered tools."""
+    if not tools:
+        raise PaskError("a request needs at least one tool")
+    schema = {"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 else call_schema(tools[0])
+    repeat = '("\\n" call)*' if max_calls is None else f'("\\n" call){{0,{max_calls - 1}}}'
+    return "\n".join(
+        [
+            f'start: call {repeat} "\\n"?',  # the model ends with "</tool_call>\n" then EOS
+            f'call: {marker(tokenizer, TOOL_CALL_OPEN)} "\\n" body "\\n" {marker(tokenizer, TOOL_CALL_CLOSE)}',
+            f"body: {lark_json(schema)}",
+        ]
+    )
+
+
+_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
+
+
+def parse_calls(text: str, name_map: dict[str, str] | None = None) -> list[dict[str, dict]]:
+    """Parse tool-call blocks into BFCL's ``[{"name": {args}}]`` form (original names)."""
+    calls = []
+    for body in _CALL_RE.findall(text):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise PaskError(f"tool call is not valid JSON: {e}") from None
+        name = obj.get("name")
+        name = (name_map or {}).get(name, name)
+        calls.append({name: obj.get("arguments", {})})
+    return calls

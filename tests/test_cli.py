@@ -1,0 +1,82 @@
+"""CLI: bad input gives one clear message and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pask import models
+from pask.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args: str):
+    res = runner.invoke(app, list(args))
+    assert "Traceback" not in res.output
+    return res
+
+
+def test_unknown_model(tmp_path):
+    req = tmp_path / "r.json"
+    req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}))
+    res = _run("generate", str(req), "--model", "no-such-model")
+    assert res.exit_code == 2 and "unknown model 'no-such-model'" in res.output
+
+
+def test_unknown_category():
+    res = _run("eval", "bfcl", "--categories", "simple,bogus", "--limit", "1")
+    assert res.exit_code == 2 and "unknown BFCL category 'bogus'" in res.output
+
+
+def test_unknown_policy_and_bad_budget():
+    res = _run("eval", "bfcl", "--policy", "magic", "--limit", "1")
+    assert res.exit_code == 2 and "unknown policy" in res.output
+    res = _run("eval", "bfcl", "--budget", "1.5", "--limit", "1")
+    assert res.exit_code == 2 and "(0, 1]" in res.output
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"messages": []}', "non-empty 'messages'"),
+        ('{"messages": [{"role": "user", "content": "x"}]}', "non-empty 'tools'"),
+        ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"x": 1}]}', "every tool needs"),
+    ],
+)
+def test_malformed_request_file(tmp_path, content, message):
+    req = tmp_path / "r.json"
+    req.write_text(content)
+    res = _run("generate", str(req))
+    assert res.exit_code == 2 and message in res.output
+
+
+def test_missing_request_file(tmp_path):
+    res = _run("generate", str(tmp_path / "absent.json"))
+    assert res.exit_code == 2 and "absent.json" in res.output
+
+
+def test_corrupt_model_part(tmp_path, monkeypatch):
+    from tests.test_models import _fake_parts
+
+    _fake_parts(tmp_path, monkeypatch, [b"abc", b"def"])
+    (tmp_path / "pask_fake_part1" / "data" / "part01.bin").write_bytes(b"XXX")
+    req = tmp_path / "r.json"
+    req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}))
+    res = _run("generate", str(req), "--model", "fake")
+    assert res.exit_code == 2 and "corrupt" in res.output and "pip install" in res.output
+    assert isinstance(models.EMBEDDED["fake"], models.EmbeddedModel)
+
+
+def test_unsatisfiable_schema(tmp_path):
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {}, "required": ["x"]}},
+    }
+    req = tmp_path / "r.json"
+    req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}))
+    res = _run("generate", str(req), "--model", "smollm2-135m")
+    assert res.exit_code == 2 and "nsatisfiable" in res.output
