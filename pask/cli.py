@@ -80,6 +80,7 @@ def generate(
     max_new_tokens: int = 384,
     dtype: str = "bf16",
     threads: int | None = None,
+    save_tags: Annotated[bool, typer.Option(help="include per-token structural tags")] = False,
 ) -> None:
     """Run one request (messages + OpenAI-style tools) under the tool-call grammar; print the calls."""
     from pask.engine import Request, eos_ids
@@ -95,8 +96,17 @@ def generate(
     prompt = tok.apply_chat_template(req["messages"], tools=req["tools"], add_generation_prompt=True, tokenize=False)
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     constraint = Constraint(ll_tokenizer(tok, eos_ids(tok)), build_grammar(req["tools"], tok))
-    (g,) = run(lm, [Request(ids, constraint, max_new_tokens, parse=parse_calls)])
-    print(json.dumps({"calls": g.parsed, "text": g.text, "stop": g.stop_reason, "tpot_ms": round(g.tpot_ms, 2)}))
+    request = Request(ids, constraint, max_new_tokens, parse=parse_calls)
+    if save_tags:
+        from pask.structure.json_tagger import JsonCallTagger
+
+        request.tagger = JsonCallTagger(req["tools"])
+    (g,) = run(lm, [request])
+    result = {"calls": g.parsed, "text": g.text, "stop": g.stop_reason, "tpot_ms": round(g.tpot_ms, 2)}
+    if save_tags:
+        pieces = [tok.decode([t]) for t in g.token_ids]
+        result["tags"] = [{"token": p, "tag": str(t)} for p, t in zip(pieces, g.extra["tags"], strict=True)]
+    print(json.dumps(result))
 
 
 def _read_request(path: Path) -> dict:
@@ -133,6 +143,7 @@ def eval_bfcl(
     out: Annotated[Path | None, typer.Option(help="output dir (resumes if it has results)")] = None,
     dtype: str = "bf16",
     threads: int | None = None,
+    save_tags: Annotated[bool, typer.Option(help="store per-token tags and prompt labels")] = False,
 ) -> None:
     """Evaluate BFCL categories; writes cases.jsonl, summary.json and summary.md (paper Table 1 layout)."""
     from pask.evaluation.run_bfcl import run_bfcl, table_markdown
@@ -154,9 +165,48 @@ def eval_bfcl(
     with progress_bar() as bar:
         task = bar.add_task(f"bfcl {policy}", total=len(cases))
         advance = lambda n: bar.advance(task, n)  # noqa: E731
-        summary = run_bfcl(lm, cases, out, batch_size, max_new_tokens, cache_factory, advance, meta)
+        summary = run_bfcl(lm, cases, out, batch_size, max_new_tokens, cache_factory, advance, meta, save_tags)
     print(table_markdown(summary, meta))
     console.print(f"results: {out}/")
+
+
+@app.command()
+@user_errors
+def inspect(
+    case: Annotated[str, typer.Option(help="BFCL case id, e.g. simple_python_0")],
+    task: Annotated[str, typer.Option(help="task (bfcl)")] = "bfcl",
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    html: Annotated[Path | None, typer.Option(help="also write a self-contained HTML page")] = None,
+    max_new_tokens: int = 384,
+    threads: int | None = None,
+) -> None:
+    """Run one case; show prompt labels and generated tokens with their structural tags (coloured)."""
+    from pask.engine import generate as run
+    from pask.evaluation.run_bfcl import prepare
+    from pask.inspect import render, write_html
+    from pask.models import load_model
+    from pask.tasks.function_calling import find_case
+
+    if task != "bfcl":
+        raise PaskError(f"unknown task '{task}'; inspect supports: bfcl")
+    c = find_case(case)
+    _threads(threads)
+    lm = load_model(model)
+    req, err = prepare(lm, c, max_new_tokens, tagging=True)
+    if err:
+        raise PaskError(f"{case}: {err}")
+    (g,) = run(lm, [req])
+    tok = lm.tokenizer
+    console = render(
+        [tok.decode([t]) for t in req.prompt_ids],
+        req.prompt_labels,
+        [tok.decode([t]) for t in g.token_ids],
+        g.extra["tags"],
+        f"{c.id} ({lm.name})",
+    )
+    if html:
+        write_html(console, html)
+        globals()["console"].print(f"wrote {html}")
 
 
 def _cache_factory(policy: str, budget: float | None):

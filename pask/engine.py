@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from pask.models import LoadedModel
-from pask.structure.constraint import Constraint, allocate_mask, apply_mask
+from pask.structure.constraint import Constraint, allocate_mask, apply_mask, ll_tokenizer
 
 
 @dataclass
@@ -28,6 +28,8 @@ class Request:
     constraint: Constraint | None = None
     max_new_tokens: int = 256
     parse: Callable[[str], Any] | None = None  # task parser for the final text
+    tagger: Any = None  # structural tagger: ``step(token_bytes) -> Tag`` (JsonCallTagger, SqlTagger)
+    prompt_labels: list | None = None  # semantic label per prompt token (for policies and --save-tags)
 
 
 @dataclass
@@ -74,6 +76,8 @@ def generate(
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
     prefill_ms = (time.perf_counter() - t0) * 1e3
 
+    token_bytes = ll_tokenizer(tok, sorted(eos)).decode_bytes
+    tags: list[list] = [[] for _ in range(b)]
     bitmask = allocate_mask(b, out.logits.shape[-1])
     generated: list[list[int]] = [[] for _ in range(b)]
     stop: list[str | None] = [None] * b
@@ -96,6 +100,8 @@ def generate(
                 stop[i] = "eos"
                 continue
             generated[i].append(t)
+            if r.tagger is not None:
+                tags[i].append(r.tagger.step(token_bytes([t])))
             if r.constraint is not None:
                 r.constraint.consume(t)
                 if r.constraint.is_done():
@@ -115,6 +121,8 @@ def generate(
     for i, r in enumerate(requests):
         text = tok.decode(generated[i], skip_special_tokens=False)
         g = Generation(text, generated[i], len(r.prompt_ids), stop[i] or "length", prefill_ms, tpot_ms)
+        if r.tagger is not None:
+            g.extra["tags"] = tags[i]
         if r.parse is not None:
             try:
                 g.parsed = r.parse(text)

@@ -15,6 +15,8 @@ from pask.errors import PaskError
 from pask.evaluation.bfcl import check_calls
 from pask.models import LoadedModel
 from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
+from pask.structure.json_tagger import JsonCallTagger
+from pask.structure.prompt_labels import label_prompt
 from pask.tasks.function_calling import FunctionCase, build_grammar, build_prompt, parse_calls
 
 TABLE_ORDER = ("simple", "multiple", "parallel", "parallel_multiple")
@@ -36,6 +38,8 @@ class CaseResult:
     prefill_ms: float
     tpot_ms: float
     budget: dict | None = None
+    tags: list[str] | None = None  # per generated token (--save-tags)
+    prompt_labels: list[str] | None = None  # per prompt token (--save-tags)
 
 
 def schema_valid(case: FunctionCase, text: str) -> str | None:
@@ -55,18 +59,28 @@ def schema_valid(case: FunctionCase, text: str) -> str | None:
     return None
 
 
-def prepare(lm: LoadedModel, case: FunctionCase, max_new_tokens: int) -> tuple[Request | None, str | None]:
-    """Prompt ids + grammar constraint for a case; a schema the grammar can't take is reported."""
+def prepare(
+    lm: LoadedModel, case: FunctionCase, max_new_tokens: int, tagging: bool = False
+) -> tuple[Request, str | None]:
+    """Prompt ids + grammar constraint (+ tagger and prompt labels) for a case.
+
+    A schema the grammar can't take is reported as the case's error, not raised.
+    """
     tok = lm.tokenizer
-    ids = tok(build_prompt(tok, case), add_special_tokens=False)["input_ids"]
+    prompt = build_prompt(tok, case)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
     try:
         constraint = Constraint(ll_tokenizer(tok, eos_ids(tok)), build_grammar(case.tools, tok))
     except SchemaError as e:
         return Request(ids), f"schema_error: {e}"
-    return Request(ids, constraint, max_new_tokens, parse=lambda t: parse_calls(t, case.name_map)), None
+    req = Request(ids, constraint, max_new_tokens, parse=lambda t: parse_calls(t, case.name_map))
+    if tagging:
+        req.tagger = JsonCallTagger(case.tools)
+        req.prompt_labels = label_prompt(tok, prompt, case.tools)
+    return req, None
 
 
-def score(case: FunctionCase, gen: Generation) -> CaseResult:
+def score(case: FunctionCase, gen: Generation, req: Request | None = None, save_tags: bool = False) -> CaseResult:
     calls = gen.parsed if gen.parse_error is None else None
     error = gen.parse_error
     valid_err = None if gen.stop_reason != "length" else "output truncated at max_new_tokens"
@@ -90,6 +104,8 @@ def score(case: FunctionCase, gen: Generation) -> CaseResult:
         prefill_ms=round(gen.prefill_ms, 2),
         tpot_ms=round(gen.tpot_ms, 2),
         budget=gen.extra.get("budget"),
+        tags=[str(t) for t in gen.extra.get("tags", [])] if save_tags else None,
+        prompt_labels=[str(x) for x in req.prompt_labels or []] if save_tags and req else None,
     )
 
 
@@ -115,6 +131,7 @@ def run_bfcl(
     cache_factory: Callable | None = None,
     progress: Callable[[int], None] | None = None,
     meta: dict | None = None,
+    save_tags: bool = False,
 ) -> dict:
     """Evaluate cases (resuming from ``out_dir/cases.jsonl``) and write the summary; return it."""
     if batch_size < 1:
@@ -125,7 +142,7 @@ def run_bfcl(
     todo = [c for c in cases if c.id not in done]
     if progress:
         progress(len(cases) - len(todo))
-    prepared = [(c, *prepare(lm, c, max_new_tokens)) for c in todo]
+    prepared = [(c, *prepare(lm, c, max_new_tokens, tagging=save_tags)) for c in todo]
     prepared.sort(key=lambda x: len(x[1].prompt_ids))  # less padding per batch
     t0 = time.perf_counter()
     n_run = 0
@@ -142,8 +159,8 @@ def run_bfcl(
             chunk = runnable[i : i + batch_size]
             kwargs = {} if cache_factory is None else {"cache_factory": cache_factory}
             gens = generate(lm, [r for _, r, _ in chunk], **kwargs)
-            for (c, _, _), g in zip(chunk, gens, strict=True):
-                f.write(json.dumps(asdict(score(c, g))) + "\n")
+            for (c, r, _), g in zip(chunk, gens, strict=True):
+                f.write(json.dumps(asdict(score(c, g, r, save_tags))) + "\n")
             f.flush()
             n_run += len(chunk)
             if progress:

@@ -194,12 +194,40 @@ SYSTEM_PROMPT = (
 )
 
 
+def find_case(case_id: str) -> FunctionCase:
+    """A case by id, in any category (``simple_python_3``, ``live_multiple_10-4-2``, ...)."""
+    for cat in CATEGORIES:
+        if case_id.startswith(_file_for(cat) + "_") or case_id.startswith(cat + "_"):
+            for c in _load_category(cat):
+                if c.id == case_id:
+                    return c
+    raise PaskError(f"unknown BFCL case id '{case_id}'")
+
+
 def build_prompt(tokenizer, case: FunctionCase, system: str | None = None) -> str:
-    """Render the case through the model's own chat template with ``tools=``."""
+    """Render the case through the model's own chat template with ``tools=``.
+
+    A template that ignores ``tools`` (e.g. SmolLM2's) gets them in a system message in the
+    Hermes/Qwen style, so the model always sees the offered functions.
+    """
     messages = case.messages
     if system and not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
-    return tokenizer.apply_chat_template(messages, tools=case.tools, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=case.tools, add_generation_prompt=True, tokenize=False)
+    if all(t["function"]["name"] in text for t in case.tools):
+        return text
+    tools_text = "\n".join(json.dumps(t) for t in case.tools)
+    preamble = (
+        f"{system or 'You are a helpful assistant.'}\n\n# Tools\n\nYou may call one or more functions to assist "
+        f"with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{tools_text}\n</tools>\n\nFor each function call, return a json object with function name and "
+        f'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, '
+        f'"arguments": <args-json-object>}}\n</tool_call>'
+    )
+    rest = [m for m in messages if m.get("role") != "system"]
+    return tokenizer.apply_chat_template(
+        [{"role": "system", "content": preamble}, *rest], add_generation_prompt=True, tokenize=False
+    )
 
 
 def call_schema(tool: dict) -> dict:
