@@ -52,7 +52,8 @@ def render(
     table = Table("#", "token", "class", "role", "state", "next")
     for i, (piece, tag) in enumerate(zip(out_tokens, tags, strict=True)):
         style = ROLE_STYLE.get(str(tag.role), "white")
-        table.add_row(str(i), Text(repr(piece), style=style), str(tag.cls), str(tag.role), str(tag.state), str(tag.next))
+        parts = (str(tag.cls), str(tag.role), str(tag.state), str(tag.next))
+        table.add_row(str(i), Text(repr(piece), style=style), *parts)
     console.print(table)
     return console
 

@@ -11,6 +11,7 @@ from pask import models
 from pask.cli import app
 
 runner = CliRunner()
+MINIMAL = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}
 
 
 def _run(*args: str):
@@ -21,7 +22,7 @@ def _run(*args: str):
 
 def test_unknown_model(tmp_path):
     req = tmp_path / "r.json"
-    req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}))
+    req.write_text(json.dumps(MINIMAL))
     res = _run("generate", str(req), "--model", "no-such-model")
     assert res.exit_code == 2 and "unknown model 'no-such-model'" in res.output
 
@@ -65,7 +66,7 @@ def test_corrupt_model_part(tmp_path, monkeypatch):
     _fake_parts(tmp_path, monkeypatch, [b"abc", b"def"])
     (tmp_path / "pask_fake_part1" / "data" / "part01.bin").write_bytes(b"XXX")
     req = tmp_path / "r.json"
-    req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}))
+    req.write_text(json.dumps(MINIMAL))
     res = _run("generate", str(req), "--model", "fake")
     assert res.exit_code == 2 and "corrupt" in res.output and "pip install" in res.output
     assert isinstance(models.EMBEDDED["fake"], models.EmbeddedModel)

@@ -16,9 +16,8 @@ runner = CliRunner()
 
 def test_inspect_writes_html(tmp_path):
     page = tmp_path / "case.html"
-    res = runner.invoke(
-        app, ["inspect", "--case", "simple_python_0", "--model", "smollm2-135m", "--max-new-tokens", "40", "--html", str(page)]
-    )
+    args = ["inspect", "--case", "simple_python_0", "--model", "smollm2-135m", "--max-new-tokens", "40"]
+    res = runner.invoke(app, [*args, "--html", str(page)])
     assert res.exit_code == 0, res.output
     html = page.read_text()
     assert html.startswith("<!DOCTYPE html>") and "dispatch_key" in html
