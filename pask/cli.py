@@ -144,6 +144,7 @@ def eval_bfcl(
     dtype: str = "bf16",
     threads: int | None = None,
     save_tags: Annotated[bool, typer.Option(help="store per-token tags and prompt labels")] = False,
+    policy_config: Annotated[str | None, typer.Option(help="policy parameters as JSON")] = None,
 ) -> None:
     """Evaluate BFCL categories; writes cases.jsonl, summary.json and summary.md (paper Table 1 layout)."""
     from pask.evaluation.run_bfcl import run_bfcl, table_markdown
@@ -156,7 +157,7 @@ def eval_bfcl(
         raise PaskError(f"no cases for categories {cats} in split '{split}'")
     if budget is not None and not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
-    cache_factory = _cache_factory(policy, budget)
+    kv_policy = make_policy(policy, budget, policy_config)
     out = out or Path("runs") / f"bfcl-{model.replace('/', '_')}-{policy}-{split}"
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
@@ -165,7 +166,7 @@ def eval_bfcl(
     with progress_bar() as bar:
         task = bar.add_task(f"bfcl {policy}", total=len(cases))
         advance = lambda n: bar.advance(task, n)  # noqa: E731
-        summary = run_bfcl(lm, cases, out, batch_size, max_new_tokens, cache_factory, advance, meta, save_tags)
+        summary = run_bfcl(lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags)
     print(table_markdown(summary, meta))
     console.print(f"results: {out}/")
 
@@ -209,11 +210,24 @@ def inspect(
         globals()["console"].print(f"wrote {html}")
 
 
-def _cache_factory(policy: str, budget: float | None):
-    """KV cache for a policy; ``full`` uses transformers' DynamicCache."""
-    if policy == "full":
+def make_policy(name: str, budget: float | None, config: str | None = None):
+    """The policy object for a name; ``full`` without config is Full KV on DynamicCache (None)."""
+    from pask.policies import get_policy
+
+    try:
+        kwargs = json.loads(config) if config else {}
+    except json.JSONDecodeError as e:
+        raise PaskError(f"--policy-config is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise PaskError("--policy-config must be a JSON object")
+    if budget is not None:
+        kwargs["budget"] = budget
+    if name == "full" and not kwargs:
         return None
-    raise PaskError(f"unknown policy '{policy}'; available: full")
+    try:
+        return get_policy(name, **kwargs)
+    except TypeError as e:
+        raise PaskError(f"bad configuration for policy '{name}': {e}") from None
 
 
 def main() -> None:  # pragma: no cover

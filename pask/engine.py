@@ -1,9 +1,10 @@
 """The decode loop: batched greedy generation under grammar constraints.
 
 A batch of requests is left-padded and prefilled together, then decoded one
-token per step; each request has its own constraint and stop condition. The
-KV cache is an explicit transformers ``Cache`` made by ``cache_factory`` (the
-tiered cache plugs in here).
+token per step; each request has its own constraint, tagger and stop condition.
+The KV cache is either transformers' ``DynamicCache`` (Full KV, no policy) or a
+:class:`~pask.kv.cache.TieredCache` driven by a retention policy
+(:mod:`pask.kv.session`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from pask.models import LoadedModel
 from pask.structure.constraint import Constraint, allocate_mask, apply_mask, ll_tokenizer
@@ -44,47 +44,57 @@ class Generation:
     tpot_ms: float  # decode time per step of its batch
     parsed: Any = None
     parse_error: str | None = None
-    extra: dict = field(default_factory=dict)
-
-
-def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, n - len(s) :] = torch.tensor(s, dtype=torch.long)
-        mask[i, n - len(s) :] = 1
-    return ids, mask
+    extra: dict = field(default_factory=dict)  # tags, budget
 
 
 @torch.inference_mode()
-def generate(
-    lm: LoadedModel,
-    requests: list[Request],
-    cache_factory: Callable[[], Any] = DynamicCache,
-) -> list[Generation]:
-    """Greedy-decode a batch of requests together; stop each on grammar completion, EOS or length."""
+def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config=None) -> list[Generation]:
+    """Greedy-decode a batch of requests together; stop each on grammar completion, EOS or length.
+
+    ``policy=None`` decodes with Full KV (``DynamicCache``); a policy runs the tiered cache.
+    """
+    from pask.kv.session import DenseSession, TieredSession
+
     model, tok = lm.model, lm.tokenizer
     eos = set(eos_ids(tok))
-    pad = tok.pad_token_id
-    b = len(requests)
-    ids, mask = _left_pad([r.prompt_ids for r in requests], pad)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = cache_factory()
+    token_bytes = ll_tokenizer(tok, sorted(eos)).decode_bytes
+    kv = DenseSession(model, tok.pad_token_id) if policy is None else TieredSession(model, policy, cache_config)
 
+    try:
+        generated, tags, stop, prefill_ms, tpot_ms = _decode(kv, requests, eos, token_bytes)
+    finally:
+        kv.close()
+    results = []
+    for i, r in enumerate(requests):
+        text = tok.decode(generated[i], skip_special_tokens=False)
+        g = Generation(text, generated[i], len(r.prompt_ids), stop[i] or "length", prefill_ms, tpot_ms)
+        if r.tagger is not None:
+            g.extra["tags"] = tags[i]
+        if (budget := kv.budget(i)) is not None:
+            g.extra["budget"] = budget
+        if r.parse is not None:
+            try:
+                g.parsed = r.parse(text)
+            except Exception as e:  # the task decides what a parse failure means
+                g.parse_error = str(e)
+        results.append(g)
+    return results
+
+
+def _decode(kv, requests: list[Request], eos: set[int], token_bytes) -> tuple:
+    """Prefill, then one token per live row per step until every row has stopped."""
+    b = len(requests)
     t0 = time.perf_counter()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    logits = kv.prefill(requests)
     prefill_ms = (time.perf_counter() - t0) * 1e3
 
-    token_bytes = ll_tokenizer(tok, sorted(eos)).decode_bytes
-    tags: list[list] = [[] for _ in range(b)]
-    bitmask = allocate_mask(b, out.logits.shape[-1])
+    bitmask = allocate_mask(b, logits.shape[-1])
     generated: list[list[int]] = [[] for _ in range(b)]
+    tags: list[list] = [[] for _ in range(b)]
     stop: list[str | None] = [None] * b
-    next_pos = pos[:, -1:] + 1
     steps, t1 = 0, time.perf_counter()
     while True:
-        logits = out.logits[:, -1, :].float()
+        logits = logits.float()
         for i, r in enumerate(requests):
             if r.constraint is not None and stop[i] is None:
                 r.constraint.mask(bitmask, i)
@@ -98,38 +108,24 @@ def generate(
             t = nxt[i]
             if t in eos:
                 stop[i] = "eos"
-                continue
-            generated[i].append(t)
-            if r.tagger is not None:
-                tags[i].append(r.tagger.step(token_bytes([t])))
-            if r.constraint is not None:
-                r.constraint.consume(t)
-                if r.constraint.is_done():
-                    stop[i] = "grammar"
-            if stop[i] is None and len(generated[i]) >= r.max_new_tokens:
-                stop[i] = "length"
+            else:
+                generated[i].append(t)
+                if r.tagger is not None:
+                    tags[i].append(r.tagger.step(token_bytes([t])))
+                if r.constraint is not None:
+                    r.constraint.consume(t)
+                    if r.constraint.is_done():
+                        stop[i] = "grammar"
+                if stop[i] is None and len(generated[i]) >= r.max_new_tokens:
+                    stop[i] = "length"
+            if stop[i] is not None:
+                kv.finish(i)
         if all(s is not None for s in stop):
             break
-        feed = torch.tensor([[g[-1] if g and stop[i] is None else pad] for i, g in enumerate(generated)])
-        mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype)], dim=1)
-        out = model(input_ids=feed, attention_mask=mask, position_ids=next_pos, cache=cache, use_cache=True)
-        next_pos = next_pos + 1
+        logits = kv.step([g[-1] if stop[i] is None else None for i, g in enumerate(generated)], tags)
         steps += 1
     tpot_ms = (time.perf_counter() - t1) * 1e3 / max(steps, 1)
-
-    results = []
-    for i, r in enumerate(requests):
-        text = tok.decode(generated[i], skip_special_tokens=False)
-        g = Generation(text, generated[i], len(r.prompt_ids), stop[i] or "length", prefill_ms, tpot_ms)
-        if r.tagger is not None:
-            g.extra["tags"] = tags[i]
-        if r.parse is not None:
-            try:
-                g.parsed = r.parse(text)
-            except Exception as e:  # the task decides what a parse failure means
-                g.parse_error = str(e)
-        results.append(g)
-    return results
+    return generated, tags, stop, prefill_ms, tpot_ms
 
 
 def eos_ids(tok) -> list[int]:

@@ -75,7 +75,10 @@ def test_corrupt_model_part(tmp_path, monkeypatch):
 def test_unsatisfiable_schema(tmp_path):
     tool = {
         "type": "function",
-        "function": {"name": "f", "parameters": {"type": "object", "properties": {}, "required": ["x"]}},
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {}, "required": ["x"], "additionalProperties": False},
+        },
     }
     req = tmp_path / "r.json"
     req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}))

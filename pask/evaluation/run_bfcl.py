@@ -128,7 +128,7 @@ def run_bfcl(
     out_dir: Path,
     batch_size: int = 8,
     max_new_tokens: int = 384,
-    cache_factory: Callable | None = None,
+    policy=None,
     progress: Callable[[int], None] | None = None,
     meta: dict | None = None,
     save_tags: bool = False,
@@ -142,7 +142,8 @@ def run_bfcl(
     todo = [c for c in cases if c.id not in done]
     if progress:
         progress(len(cases) - len(todo))
-    prepared = [(c, *prepare(lm, c, max_new_tokens, tagging=save_tags)) for c in todo]
+    tagging = save_tags or getattr(policy, "needs_tags", False)
+    prepared = [(c, *prepare(lm, c, max_new_tokens, tagging=tagging)) for c in todo]
     prepared.sort(key=lambda x: len(x[1].prompt_ids))  # less padding per batch
     t0 = time.perf_counter()
     n_run = 0
@@ -157,8 +158,7 @@ def run_bfcl(
         runnable = [p for p in prepared if p[2] is None]
         for i in range(0, len(runnable), batch_size):
             chunk = runnable[i : i + batch_size]
-            kwargs = {} if cache_factory is None else {"cache_factory": cache_factory}
-            gens = generate(lm, [r for _, r, _ in chunk], **kwargs)
+            gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
             for (c, r, _), g in zip(chunk, gens, strict=True):
                 f.write(json.dumps(asdict(score(c, g, r, save_tags))) + "\n")
             f.flush()

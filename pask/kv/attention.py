@@ -1,0 +1,216 @@
+"""The "pask" attention: exact prefill, then decode over a TieredCache's H and INT4 streams.
+
+Registration: :func:`register` adds ``"pask"`` to transformers' ``AttentionInterface`` and a
+mask function to ``AttentionMaskInterface`` (idempotent). :func:`enable_pask_attention` (or the
+context manager :func:`use_pask_attention`) checks the model and calls
+``model.set_attn_implementation("pask")``.
+
+Finding the cache: transformers' attention modules consume the ``cache`` argument and do not pass
+it to the attention function, so :meth:`TieredCache.update` records, in a thread-local, the layer
+it just updated together with the key tensor it returned. The attention function takes that
+layer when the ``key`` it receives *is* that tensor (identity check, so a stale record is never
+used) and checks ``module.layer_idx``; without a TieredCache it behaves as plain SDPA.
+
+Masks: the mask function builds the usual SDPA mask (causal + left padding) for the first
+forward of a cache (``q_offset == 0``) and returns ``None`` afterwards: each sequence's tiers are
+exact (pads never stored, released tokens gone), so decode needs no mask, and a multi-token
+extend masks causally among its own new tokens, which sit at the tail of the H tier.
+
+Decode math (per sequence): ``q [Hq, D]`` is viewed as ``[Hkv, Hq/Hkv, D]`` (GQA without repeating
+K/V); the H tier and the INT4 tier (dequantised ``dequant_block`` tokens at a time) are merged
+with one FP32 online softmax (running max, running sum, running output). The scale is
+``module.scaling``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from pask.kv.cache import TieredLayer, active_layer, attention_spec
+from pask.kv.errors import UnsupportedModelError
+from pask.kv.storage import _SeqStore
+
+NAME = "pask"
+H_CHUNK = 4096  # H-tier tokens upcast to fp32 at a time by the reference path
+
+
+class OnlineSoftmax:
+    """FP32 running max / sum / output over score blocks (rows = query heads x query tokens)."""
+
+    def __init__(self, heads: int, rows: int, head_dim: int, device=None):
+        self.m = torch.full((heads, rows), -torch.inf, device=device)
+        self.l = torch.zeros((heads, rows), device=device)
+        self.acc = torch.zeros((heads, rows, head_dim), device=device)
+
+    def _rescale(self, m_blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m_new = torch.maximum(self.m, m_blk)
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(self.m - m_safe)
+        self.m = m_new
+        return m_safe, alpha
+
+    def update(self, scores: torch.Tensor, values: torch.Tensor) -> None:
+        """Add a block: ``scores [Hkv, rows, n]`` (fp32, -inf = masked), ``values [Hkv, n, D]`` (fp32)."""
+        if scores.shape[-1] == 0:
+            return
+        m_safe, alpha = self._rescale(scores.amax(dim=-1))
+        p = torch.exp(scores - m_safe[..., None])
+        self.l = self.l * alpha + p.sum(dim=-1)
+        self.acc = self.acc * alpha[..., None] + torch.matmul(p, values)
+
+    def merge(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Add a block already reduced to a normalised output ``[Hkv, rows, D]`` and its log-sum-exp."""
+        m_safe, alpha = self._rescale(lse)
+        beta = torch.exp(lse - m_safe)
+        self.l = self.l * alpha + beta
+        self.acc = self.acc * alpha[..., None] + beta[..., None] * out.float()
+
+    def result(self) -> torch.Tensor:
+        return self.acc / self.l[..., None]
+
+
+def tiered_attention_reference(
+    q: torch.Tensor, store: _SeqStore, scaling: float, n_new: int = 1, block: int = 256
+) -> torch.Tensor:
+    """Attention of one sequence's queries ``q [Hq, qn, D]`` over its H and INT4 tiers -> ``[qn, Hq, D]``.
+
+    The ``n_new`` newest H slots are the query tokens themselves (causal among them).
+    """
+    hq, qn, d = q.shape
+    hkv = store.h.heads
+    grp = hq // hkv
+    qf = q.float().reshape(hkv, grp * qn, d)
+    state = OnlineSoftmax(hkv, grp * qn, d, device=q.device)
+    n_h = store.h.n
+    if n_h:
+        kh, vh = store.h.view("k"), store.h.view("v")
+        first_new = n_h - n_new
+        # row r = j * qn + i sees slot s iff s <= first_new + i
+        row_limit = first_new + torch.arange(qn, device=q.device).repeat(grp)
+        for a in range(0, n_h, H_CHUNK):
+            b = min(n_h, a + H_CHUNK)
+            s = torch.matmul(qf, kh[:, a:b].float().transpose(1, 2)) * scaling
+            if n_new > 1 and b > first_new + 1:
+                slot = torch.arange(a, b, device=q.device)
+                s = s.masked_fill(slot[None, None, :] > row_limit[None, :, None], -torch.inf)
+            state.update(s, vh[:, a:b].float())
+    n_l = store.l.n
+    for a in range(0, n_l, block):
+        k, v = store.int4_kv(a, min(n_l, a + block))
+        state.update(torch.matmul(qf, k.transpose(1, 2)) * scaling, v)
+    out = state.result().reshape(hkv, grp, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
+    return out.to(q.dtype)
+
+
+def tiered_attention(layer: TieredLayer, seq: int, q: torch.Tensor, scaling: float, n_new: int) -> torch.Tensor:
+    """One sequence's decode/extend attention: fused CPU fast path when it applies, else the reference."""
+    store = layer.seqs[seq]
+    cfg = layer.cache.config
+    if cfg.fast_path and n_new == 1:
+        from pask.kv import fastpath
+
+        if fastpath.applies(q, store):
+            return fastpath.decode_attention(q, store, scaling)
+    return tiered_attention_reference(q, store, scaling, n_new, cfg.dequant_block)
+
+
+def pask_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface function for ``attn_implementation="pask"`` (output ``[B, q, Hq, D]``)."""
+    layer = active_layer(key)
+    if layer is None or layer.cache.mode == "prefill":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
+        raise UnsupportedModelError(
+            f"pask attention of layer {module.layer_idx} received the cache of layer {layer.layer_idx}"
+        )
+    scale = scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
+    bsz, hq, qn, d = query.shape
+    out = query.new_zeros(bsz, qn, hq, d)
+    for b in range(bsz):
+        if layer.seqs[b] is not None:
+            out[b] = tiered_attention(layer, b, query[b], scale, qn)
+    return out, None
+
+
+def pask_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """SDPA mask for a cache's first forward; ``None`` afterwards (tiers are exact)."""
+    if isinstance(q_offset, int) and q_offset > 0:
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+
+
+def register() -> None:
+    """Register ``"pask"`` in transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(NAME, pask_attention_forward)
+    AttentionMaskInterface.register(NAME, pask_mask)
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise UnsupportedModelError unless every attention layer can be served by the pask attention."""
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModelError(f"{name} does not dispatch attention through transformers' AttentionInterface")
+    spec = attention_spec(model.config)
+    mods = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if len(mods) != spec.num_layers:
+        raise UnsupportedModelError(
+            f"{name}: found {len(mods)} attention modules with a layer_idx for {spec.num_layers} layers"
+        )
+    for m in mods:
+        missing = [a for a in ("num_key_value_groups", "scaling", "head_dim") if not hasattr(m, a)]
+        if missing:
+            raise UnsupportedModelError(f"attention class {type(m).__name__} has no {', '.join(missing)}: unsupported")
+        if m.num_key_value_groups != spec.num_q_heads // spec.num_kv_heads or m.head_dim != spec.head_dim:
+            raise UnsupportedModelError(f"attention class {type(m).__name__} does not match the config's head layout")
+
+
+def enable_pask_attention(model: torch.nn.Module) -> str:
+    """Check the model, register and select ``"pask"``; return the previous implementation."""
+    register()
+    check_model(model)
+    prev = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    return prev
+
+
+@contextmanager
+def use_pask_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Select the pask attention for the duration of the block, then restore the previous one."""
+    prev = enable_pask_attention(model)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(prev)

@@ -1,0 +1,97 @@
+"""KV budget: the cost model of the actions and the budget measured on a TieredCache.
+
+Cost model (per token, per layer, relative to keeping it in full precision):
+``H = 1``, ``L = INT4 bytes (codes + fp16 scale/zero) / full-precision bytes``, ``R = 0``.
+
+Measured budget: ``B = held bytes / bytes of the same tokens all kept H``, split into
+``B_P`` (prompt tokens), ``B_D`` (generated tokens) and ``B`` (all). "Full precision" is the
+dtype of the cache's H tier: BF16 for production models (fp32 in fp32 test runs, where the
+same definitions hold with 4-byte values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pask.kv.actions import Action
+from pask.kv.quant import int4_bytes_per_vector
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Relative cost of H / L / R for vectors of ``head_dim`` values in ``dtype``."""
+
+    head_dim: int = 64
+    quant_group: int = 32
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def full_bytes_per_vector(self) -> int:
+        return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def int4_ratio(self) -> float:
+        """L cost: 0.3125 for BF16, D=64, group 32."""
+        return int4_bytes_per_vector(self.head_dim, self.quant_group) / self.full_bytes_per_vector
+
+    def cost(self, action: Action) -> float:
+        return {Action.H: 1.0, Action.L: self.int4_ratio, Action.R: 0.0}[Action(int(action))]
+
+    def mix_cost(self, h: float, l: float, r: float) -> float:  # noqa: E741
+        """Expected relative bytes of a mix of H / L / R fractions."""
+        return h * 1.0 + l * self.int4_ratio + r * 0.0
+
+    def predict(self, counts: Sequence[int]) -> float:
+        """Relative bytes of (nH, nL, nR) tokens."""
+        n = sum(counts)
+        return 0.0 if n == 0 else (counts[0] + counts[1] * self.int4_ratio) / n
+
+
+@dataclass
+class Budget:
+    """Budget measured on a cache: ratios of held bytes to full-precision bytes."""
+
+    b_prompt: float
+    b_decode: float
+    b_total: float
+    b_total_avg: float  # mean of b_total over the recorded decode steps (b_total if none)
+    held_bytes: int  # live K/V bytes held now by live sequences
+    full_bytes: int  # full-precision bytes of the same live tokens
+    samples: int = 0
+
+
+def _ratio(a: int, b: int) -> float:
+    return a / b if b else 0.0
+
+
+@dataclass
+class BudgetMeter:
+    """Records one B sample per decode step; builds :class:`Budget` from the cache's tensors."""
+
+    history: list[float] = field(default_factory=list)
+
+    def current(self, cache) -> tuple[float, float, float]:
+        held, full = cache.budget_bytes()
+        return _ratio(held[0], full[0]), _ratio(held[1], full[1]), _ratio(sum(held), sum(full))
+
+    def sample(self, cache) -> float:
+        b = self.current(cache)[2]
+        self.history.append(b)
+        return b
+
+    def budget(self, cache) -> Budget:
+        bp, bd, bt = self.current(cache)
+        avg = sum(self.history) / len(self.history) if self.history else bt
+        _, live_full = cache.budget_bytes(live_only=True)
+        return Budget(
+            b_prompt=bp,
+            b_decode=bd,
+            b_total=bt,
+            b_total_avg=avg,
+            held_bytes=cache.held_bytes(),
+            full_bytes=sum(live_full),
+            samples=len(self.history),
+        )

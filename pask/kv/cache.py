@@ -1,0 +1,464 @@
+"""TieredCache: a transformers ``Cache`` holding each token's K/V as BF16 (H), INT4 (L) or nothing (R).
+
+Storage (per layer, per sequence, no padding held; see :mod:`pask.kv.storage`):
+
+* H tier: dense ``K, V [Hkv, capacity, D]`` in the model dtype;
+* L tier: INT4 codes (two per byte, keys in 64-slot d-major blocks, values per scale group as
+  adjacent pairs: the layouts PyTorch's CPU int4 GEMM reads) + per (token, group) scale and zero.
+
+Each tier is dense: slots ``[0, n)`` are live. Appends write at the tail and double the
+capacity when full (amortised O(1) per token); removals move the last live slots into the
+holes ("swap-remove", O(removed) copies) so no hole is ever held, and a tier whose live part
+falls under ``shrink_below`` of its capacity is reallocated smaller, which returns the memory.
+Order inside a tier does not matter to attention (RoPE is already applied to the stored keys);
+the original position of every slot is kept in a per (sequence, layer group) index shared by
+the layers of the group (all of them receive the same actions, so their slots agree).
+
+Logical positions: ``seq_length(b)`` counts the tokens ever appended to sequence ``b`` (its next
+RoPE position); released tokens keep their position. Decoding must pass explicit
+``position_ids`` ([B, 1] = ``seq_length(b)``) since rows have different lengths.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from pask.kv.actions import Action
+from pask.kv.budget import BudgetMeter
+from pask.kv.errors import (
+    AlreadyReleasedError,
+    IrreversibleActionError,
+    KVCacheError,
+    ProtectedTokenError,
+    UnknownPositionError,
+    UnsupportedModelError,
+)
+from pask.kv.quant import check_group
+from pask.kv.storage import CopyStats, _GroupIndex, _SeqStore
+
+H, L, R = int(Action.H), int(Action.L), int(Action.R)
+
+
+@dataclass
+class CacheConfig:
+    """Tiered-cache settings."""
+
+    num_groups: int = 4  # contiguous layer groups sharing one action per token
+    recent_window: int = 8  # last tokens of each sequence, always H, no action allowed
+    quant_group: int = 32  # INT4 scale/zero group along head_dim
+    initial_capacity: int = 64  # tokens per tier at first allocation
+    shrink_below: float = 0.5  # reallocate a tier to 1.25 x its live slots when live < capacity * shrink_below
+    dequant_block: int = 256  # INT4 tokens dequantised at a time by the reference attention
+    fast_path: bool = True  # use PyTorch's fused CPU kernels when they apply (bf16, D=64, CPU)
+
+    def __post_init__(self) -> None:
+        if self.num_groups < 1:
+            raise KVCacheError(f"num_groups must be >= 1, got {self.num_groups}")
+        if self.recent_window < 0:
+            raise KVCacheError(f"recent_window must be >= 0, got {self.recent_window}")
+        if self.initial_capacity < 1 or self.dequant_block < 1:
+            raise KVCacheError("initial_capacity and dequant_block must be >= 1")
+        if not 0.0 <= self.shrink_below < 0.8:
+            raise KVCacheError(f"shrink_below must be in [0, 0.8), got {self.shrink_below}")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention shapes the cache stores."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def attention_spec(model_config, quant_group: int = 32) -> AttentionSpec:
+    """Read and validate the attention layout of a decoder config (raise UnsupportedModelError)."""
+    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    name = getattr(cfg, "model_type", type(cfg).__name__)
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads", "hidden_size") if getattr(cfg, a, None) is None]
+    if missing:
+        raise UnsupportedModelError(f"model '{name}' has no {', '.join(missing)} in its config: unsupported layout")
+    if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "q_lora_rank", None):
+        raise UnsupportedModelError(f"model '{name}' uses latent (MLA) attention: unsupported layout")
+    n_q = int(cfg.num_attention_heads)
+    n_kv = getattr(cfg, "num_key_value_heads", None)
+    if n_kv is None:
+        raise UnsupportedModelError(
+            f"model '{name}' config has no num_key_value_heads: only Llama/Qwen2-style (GQA/MHA) attention is supported"
+        )
+    n_kv = int(n_kv)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+    if n_kv < 1 or n_q % n_kv:
+        raise UnsupportedModelError(f"model '{name}': {n_q} query heads are not a multiple of {n_kv} kv heads")
+    types = getattr(cfg, "layer_types", None) or []
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        raise UnsupportedModelError(f"model '{name}' has {other} layers: only full-attention layers are supported")
+    check_group(int(head_dim), quant_group)
+    return AttentionSpec(int(cfg.num_hidden_layers), n_q, n_kv, int(head_dim))
+
+
+def layer_groups(num_layers: int, num_groups: int = 4) -> list[range]:
+    """Split ``num_layers`` into ``num_groups`` contiguous, near-equal groups (earlier groups one larger)."""
+    if not 1 <= num_groups <= num_layers:
+        raise KVCacheError(f"cannot split {num_layers} layers into {num_groups} groups")
+    base, extra = divmod(num_layers, num_groups)
+    out, start = [], 0
+    for g in range(num_groups):
+        size = base + (1 if g < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+_ACTIVE = threading.local()
+
+
+def active_layer(key: torch.Tensor) -> TieredLayer | None:
+    """The TieredLayer whose ``update`` returned ``key`` in this thread (None if ``key`` is not one).
+
+    Weak references: a finished cache is never kept alive by this record.
+    """
+    entry = getattr(_ACTIVE, "entry", None)
+    if entry is None or entry[1]() is not key:
+        return None
+    return entry[0]()
+
+
+class TieredLayer(CacheLayerMixin):
+    """One model layer of a :class:`TieredCache`: per-sequence H and L tiers."""
+
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, cache: TieredCache, layer_idx: int, group: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.group = group
+        self.seqs: list[_SeqStore | None] = []
+        self.dtype: torch.dtype | None = None
+        self.device = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        c = self.cache
+        self.seqs = [
+            None
+            if c.dropped[b]
+            else _SeqStore(c.spec.num_kv_heads, c.spec.head_dim, self.dtype, self.device, c.config, c.stats)
+            for b in range(c.num_seqs)
+        ]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens of every live row in its H tier; return the new K/V unchanged."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        c = self.cache
+        if key_states.shape[0] != c.num_seqs:
+            raise KVCacheError(f"batch of {key_states.shape[0]} rows fed to a TieredCache of {c.num_seqs} sequences")
+        prefill = c.mode == "prefill"
+        for b, store in enumerate(self.seqs):
+            if store is None:
+                continue
+            start = c.pad_lengths[b] if prefill else 0
+            store.h.append(k=key_states[b, :, start:], v=value_states[b, :, start:])
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise KVCacheError("TieredCache cannot be reset: create a new one")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KVCacheError("TieredCache cannot be cropped")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise KVCacheError("TieredCache does not support beam reordering")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise KVCacheError("TieredCache does not support batch expansion")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise KVCacheError("TieredCache does not support batch selection: use drop(seq)")
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    # -- views used by the attention ---------------------------------------------------------
+    def store(self, seq: int) -> _SeqStore | None:
+        return self.seqs[seq]
+
+    def positions(self, seq: int, tier: Action) -> torch.Tensor:
+        """Original positions of the tokens in ``tier`` (slot order) for this layer's group."""
+        return self.cache.index(seq, self.group).positions(int(tier))
+
+
+@dataclass
+class _Finished:
+    held: list[int] = field(default_factory=lambda: [0, 0])  # prompt, decode
+    full: list[int] = field(default_factory=lambda: [0, 0])
+
+
+class TieredCache(Cache):
+    """A transformers Cache of :class:`TieredLayer`; see the module docstring."""
+
+    def __init__(self, model_config, config: CacheConfig | None = None, batch_size: int = 1):
+        self.config = config or CacheConfig()
+        self.spec = attention_spec(model_config, self.config.quant_group)
+        if batch_size < 1:
+            raise KVCacheError(f"batch_size must be >= 1, got {batch_size}")
+        self.num_seqs = batch_size
+        self.groups = layer_groups(self.spec.num_layers, self.config.num_groups)
+        self.group_of = [g for g, r in enumerate(self.groups) for _ in r]
+        self.stats = CopyStats()
+        self.dropped = [False] * batch_size
+        self.pad_lengths = [0] * batch_size
+        self.mode = "empty"  # empty -> prefill (first forward) -> extend
+        self._indices = [[_GroupIndex() for _ in self.groups] for _ in range(batch_size)]
+        self._finished = _Finished()
+        self.meter = BudgetMeter()
+        super().__init__(layers=[TieredLayer(self, i, self.group_of[i]) for i in range(self.spec.num_layers)])
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_seqs
+
+    # -- lengths ------------------------------------------------------------------------------
+    def seq_length(self, seq: int) -> int:
+        """Tokens ever appended to ``seq`` (its next RoPE position)."""
+        return self._indices[seq][0].length
+
+    def prompt_length(self, seq: int) -> int:
+        return self._indices[seq][0].prompt_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Logical length: the longest sequence's token count (= all rows' count in a batch of one)."""
+        return max(ix[0].length for ix in self._indices)
+
+    def index(self, seq: int, group: int) -> _GroupIndex:
+        self._check_seq(seq)
+        if not 0 <= group < len(self.groups):
+            raise UnknownPositionError(f"unknown layer group {group}: the cache has {len(self.groups)} groups")
+        return self._indices[seq][group]
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.num_seqs:
+            raise UnknownPositionError(f"unknown sequence {seq}: the cache holds {self.num_seqs}")
+        if self.dropped[seq]:
+            raise UnknownPositionError(f"sequence {seq} was dropped")
+
+    # -- forward ------------------------------------------------------------------------------
+    def begin_prefill(self, pad_lengths: list[int]) -> None:
+        """Declare the left padding of each row of the coming first forward (pads are not stored)."""
+        if self.mode != "empty":
+            raise KVCacheError("begin_prefill must be called once, before the first forward")
+        if len(pad_lengths) != self.num_seqs or any(p < 0 for p in pad_lengths):
+            raise KVCacheError(f"pad_lengths must hold {self.num_seqs} non-negative ints, got {pad_lengths}")
+        self.pad_lengths = [int(p) for p in pad_lengths]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self._start_forward(key_states.shape[2])
+        if layer_idx in (r.start for r in self.groups):
+            g = self.group_of[layer_idx]
+            q = key_states.shape[2]
+            for b in range(self.num_seqs):
+                if not self.dropped[b]:
+                    pad = self.pad_lengths[b] if self.mode == "prefill" else 0
+                    self._indices[b][g].append_h(q - pad)
+        keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        _ACTIVE.entry = (weakref.ref(self.layers[layer_idx]), weakref.ref(keys))
+        return keys, values
+
+    def _start_forward(self, q_len: int) -> None:
+        if self.mode == "empty":
+            self.mode = "prefill"
+            for b in range(self.num_seqs):
+                if self.pad_lengths[b] > q_len:
+                    raise KVCacheError(f"row {b} has {self.pad_lengths[b]} pads but the prefill has {q_len} columns")
+                for ix in self._indices[b]:
+                    ix.prompt_len = q_len - self.pad_lengths[b]
+        else:
+            self.mode = "extend"
+
+    # -- actions ------------------------------------------------------------------------------
+    def apply(self, seq: int, group: int, positions, action: Action) -> None:
+        """Apply ``action`` to ``positions`` of sequence ``seq`` in every layer of ``group``.
+
+        H keeps (no-op on H tokens), L packs H tokens to INT4 (no-op on L tokens), R frees H or L tokens.
+        Raises on unknown/duplicate positions, released tokens, L -> H and the protected recent window.
+        """
+        action = Action(int(action))
+        ix = self.index(seq, group)
+        pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+        if pos.numel() == 0:
+            return
+        if int(pos.min()) < 0 or int(pos.max()) >= ix.length:
+            bad = pos[(pos < 0) | (pos >= ix.length)][:5].tolist()
+            raise UnknownPositionError(f"sequence {seq} has {ix.length} tokens: positions {bad} are unknown")
+        if torch.unique(pos).numel() != pos.numel():
+            raise UnknownPositionError(f"duplicate positions in one action for sequence {seq}")
+        limit = ix.length - self.config.recent_window
+        if int(pos.max()) >= limit:
+            bad = pos[pos >= limit][:5].tolist()
+            raise ProtectedTokenError(
+                f"positions {bad} of sequence {seq} are inside the protected recent window "
+                f"(last {self.config.recent_window} of {ix.length} tokens stay H)"
+            )
+        tiers = ix.tier_of.t[pos].long()
+        if bool((tiers == R).any()):
+            bad = pos[tiers == R][:5].tolist()
+            raise AlreadyReleasedError(f"positions {bad} of sequence {seq}, group {group} were already released")
+        if action == Action.H:
+            if bool((tiers == L).any()):
+                bad = pos[tiers == L][:5].tolist()
+                raise IrreversibleActionError(
+                    f"positions {bad} of sequence {seq}, group {group} are INT4: INT4 cannot go back to H"
+                )
+            return
+        layers = [self.layers[i] for i in self.groups[group]]
+        from_h = pos[tiers == H]
+        if action == Action.L:
+            self._move_to_int4(seq, ix, layers, from_h)
+        else:
+            for tier, sel in ((H, from_h), (L, pos[tiers == L])):
+                if sel.numel():
+                    self._remove(seq, ix, layers, tier, sel)
+                    ix.release(sel)
+
+    def _move_to_int4(self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor) -> None:
+        if pos.numel() == 0:
+            return
+        slots = ix.slot_of.t[pos].long()
+        for layer in layers:
+            st = layer.seqs[seq]
+            kv = st.h.take(slots)
+            st.append_int4(kv["k"], kv["v"])
+        plan = ix.plan_remove(H, slots)
+        for layer in layers:
+            layer.seqs[seq].h.remove(*plan)
+        ix.remove(H, pos, plan)
+        ix._add(L, pos.to(torch.int32))
+
+    def _remove(self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], tier: int, pos: torch.Tensor) -> None:
+        slots = ix.slot_of.t[pos].long()
+        plan = ix.plan_remove(tier, slots)
+        for layer in layers:
+            layer.seqs[seq].tier(tier).remove(*plan)
+        ix.remove(tier, pos, plan)
+
+    def compact(self) -> None:
+        """Return all spare tier capacity now (tiers also shrink by themselves as tokens leave)."""
+        for layer in self.layers:
+            for st in layer.seqs:
+                if st is not None:
+                    st.h.compact()
+                    st.l.compact()
+
+    def tiers(self, seq: int, group: int) -> torch.Tensor:
+        """Tier (Action value) of each position of ``seq`` in ``group`` (int8 [seq_length])."""
+        ix = self.index(seq, group)
+        return ix.tier_of.t[: ix.length].clone()
+
+    def drop(self, seq: int) -> None:
+        """Free a finished sequence's storage; its row may still be fed (ignored, outputs zeros)."""
+        self._check_seq(seq)
+        held, full = self._seq_bytes(seq)
+        for i in range(2):
+            self._finished.held[i] += held[i]
+            self._finished.full[i] += full[i]
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.seqs[seq] = None
+        self._indices[seq] = [_GroupIndex() for _ in self.groups]
+        self._indices[seq][0].length = 0
+        self.dropped[seq] = True
+
+    # -- bytes --------------------------------------------------------------------------------
+    def _seq_bytes(self, seq: int) -> tuple[list[int], list[int]]:
+        """([prompt, decode] held bytes, [prompt, decode] full-precision bytes) of one sequence.
+
+        Held bytes come from the tier tensors (live bytes per slot x live slots of each kind);
+        full bytes are what the same tokens would take in the H tier.
+        """
+        held, full = [0, 0], [0, 0]
+        for g, ix in enumerate(self._indices[seq]):
+            tokens = [ix.counts[H][i] + ix.counts[L][i] + ix.counts[R][i] for i in range(2)]
+            for li in self.groups[g]:
+                layer = self.layers[li]
+                st = layer.seqs[seq] if layer.is_initialized else None
+                if st is None:
+                    continue
+                for tier, t in ((H, st.h), (L, st.l)):
+                    if t.n:
+                        per_slot = t.live_bytes() // t.n
+                        for i in range(2):
+                            held[i] += per_slot * ix.counts[tier][i]
+                for i in range(2):
+                    full[i] += st.h.slot_bytes() * tokens[i]
+        return held, full
+
+    def held_bytes(self) -> int:
+        """Bytes of the live K/V slots (H values, INT4 codes + scales/zeros) in all tiers' tensors."""
+        total = 0
+        for layer in self.layers:
+            for st in layer.seqs:
+                if st is not None:
+                    total += st.h.live_bytes() + st.l.live_bytes()
+        return total
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor the cache owns (tier storage incl. spare capacity, and index metadata)."""
+        total = 0
+        for layer in self.layers:
+            for st in layer.seqs:
+                if st is not None:
+                    total += st.h.allocated_bytes() + st.l.allocated_bytes()
+        for row in self._indices:
+            total += sum(ix.nbytes() for ix in row)
+        return total
+
+    def full_bytes(self) -> int:
+        """Bytes the live tokens would take if all were H (the model dtype: BF16 in production)."""
+        _, full = self.budget_bytes(live_only=True)
+        return sum(full)
+
+    def budget_bytes(self, live_only: bool = False) -> tuple[list[int], list[int]]:
+        """([prompt, decode] held, [prompt, decode] full) bytes, finished sequences included unless live_only."""
+        held, full = [0, 0], [0, 0]
+        if not live_only:
+            held, full = list(self._finished.held), list(self._finished.full)
+        for b in range(self.num_seqs):
+            if not self.dropped[b]:
+                h, f = self._seq_bytes(b)
+                for i in range(2):
+                    held[i] += h[i]
+                    full[i] += f[i]
+        return held, full
+
+    def budget(self):
+        """Measured budget (see :class:`pask.kv.budget.Budget`)."""
+        return self.meter.budget(self)
+
+    def sample_budget(self) -> float:
+        """Record one time-average sample (call once per decode step); returns the current B."""
+        return self.meter.sample(self)

@@ -1,0 +1,147 @@
+"""KV sessions: how the decode loop talks to its cache (prefill, step, finish, budget).
+
+:class:`DenseSession` is Full KV on transformers' ``DynamicCache`` (left-padded batch with an
+attention mask). :class:`TieredSession` stores each row's tokens in a :class:`TieredCache` and
+applies a policy's actions: at prefill for prompt tokens outside the recent window, and after
+every step for tokens that just left it. A finished row is dropped (its bytes are freed) after
+its budget is recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from pask.kv.attention import enable_pask_attention
+from pask.kv.cache import CacheConfig, TieredCache
+from pask.policies.base import Policy, SeqContext
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Left-padded input_ids, attention_mask, position_ids (0 at each row's first token), pad lengths."""
+    width = max(len(r) for r in rows)
+    pads = [width - len(r) for r in rows]
+    ids = torch.tensor([[pad_id] * p + list(r) for p, r in zip(pads, rows, strict=True)], dtype=torch.long)
+    mask = torch.tensor([[0] * p + [1] * len(r) for p, r in zip(pads, rows, strict=True)], dtype=torch.long)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos, pads
+
+
+class DenseSession:
+    """Full KV: one DynamicCache for the batch."""
+
+    def __init__(self, model: torch.nn.Module, pad_id: int) -> None:
+        self.model, self.pad_id = model, pad_id
+        self.cache = DynamicCache()
+
+    def prefill(self, requests) -> torch.Tensor:
+        ids, self.mask, pos, _ = left_pad([r.prompt_ids for r in requests], self.pad_id)
+        self.next_pos = pos[:, -1:] + 1
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=pos,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def step(self, last: list[int | None], tags) -> torch.Tensor:
+        feed = torch.tensor([[t if t is not None else self.pad_id] for t in last])
+        self.mask = torch.cat([self.mask, torch.ones((len(last), 1), dtype=self.mask.dtype)], dim=1)
+        out = self.model(
+            input_ids=feed, attention_mask=self.mask, position_ids=self.next_pos, cache=self.cache, use_cache=True
+        )
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1]
+
+    def finish(self, row: int) -> None:
+        """Dense rows stay in the batch tensor until the batch ends."""
+
+    def close(self) -> None:
+        """Nothing to restore."""
+
+    def budget(self, row: int) -> dict | None:
+        return None
+
+
+class TieredSession:
+    """A TieredCache and a policy deciding H / INT4 / release per token x layer group."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy, config: CacheConfig | None = None) -> None:
+        self.model, self.policy = model, policy
+        self.config = config or CacheConfig()
+        self._prev_attn = enable_pask_attention(model)
+
+    def close(self) -> None:
+        """Give the model back its previous attention implementation."""
+        self.model.set_attn_implementation(self._prev_attn)
+
+    def prefill(self, requests) -> torch.Tensor:
+        self.requests = requests
+        rows = [r.prompt_ids for r in requests]
+        self.history = [list(r) for r in rows]
+        self.decided = [0] * len(rows)
+        self.samples: list[list[float]] = [[] for _ in rows]
+        self.final: dict[int, dict] = {}
+        self.cache = TieredCache(self.model.config, self.config, batch_size=len(rows))
+        ids, mask, pos, pads = left_pad(rows, 0)
+        self.cache.begin_prefill(pads)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1
+        )
+        for row in range(len(rows)):
+            self._decide(self.policy.prefill_actions, row, [])
+        return out.logits[:, -1]
+
+    def step(self, last: list[int | None], tags: list[list]) -> torch.Tensor:
+        live = [i for i, t in enumerate(last) if t is not None]
+        for i in live:
+            self.history[i].append(last[i])
+        feed = torch.tensor([[t if t is not None else 0] for t in last])
+        positions = torch.tensor([[self.cache.seq_length(i) if t is not None else 0] for i, t in enumerate(last)])
+        out = self.model(input_ids=feed, position_ids=positions, cache=self.cache, use_cache=True)
+        for i in live:
+            self._decide(self.policy.step_actions, i, tags[i])
+            self.samples[i].append(self._row_budget(i)["b_total"])
+        self.cache.sample_budget()
+        return out.logits[:, -1]
+
+    def _decide(self, decide, row: int, tags: list) -> None:
+        """Ask the policy about the positions that left the recent window since the last call."""
+        cache, start = self.cache, self.decided[row]
+        limit = max(0, cache.seq_length(row) - cache.config.recent_window)
+        leaving = torch.arange(start, max(start, limit), dtype=torch.long)
+        ctx = SeqContext(
+            seq=row,
+            prompt_len=cache.prompt_length(row),
+            length=cache.seq_length(row),
+            recent_window=cache.config.recent_window,
+            num_groups=len(cache.groups),
+            leaving=leaving,
+            token_ids=self.history[row],
+            tags=tags,
+            prompt_labels=self.requests[row].prompt_labels,
+        )
+        for group, positions, action in decide(ctx):
+            cache.apply(row, group, positions, action)
+        if leaving.numel():
+            self.decided[row] = int(leaving[-1]) + 1
+
+    def _row_budget(self, row: int) -> dict:
+        held, full = self.cache._seq_bytes(row)
+        ratio = [h / f if f else 1.0 for h, f in zip(held, full, strict=True)]
+        total = sum(held) / sum(full) if sum(full) else 1.0
+        return {"b_prompt": ratio[0], "b_decode": ratio[1], "b_total": total, "held_bytes": sum(held)}
+
+    def finish(self, row: int) -> None:
+        """Record the row's final budget, then free its storage."""
+        b = self._row_budget(row)
+        s = self.samples[row]
+        b["b_total_avg"] = sum(s) / len(s) if s else b["b_total"]
+        self.final[row] = {k: round(v, 5) if isinstance(v, float) else v for k, v in b.items()}
+        self.cache.drop(row)
+
+    def budget(self, row: int) -> dict | None:
+        return self.final.get(row)

@@ -1,0 +1,354 @@
+"""Storage of the tiered cache: dense token-slot tiers, the INT4 layouts and the position index.
+
+* :class:`_Tier`: tensors ``[heads, *pre, capacity, *post]`` with ``n`` live slots; tail appends with
+  capacity doubling, swap-removes (the last live slots move into the holes), shrinking when the
+  live part falls under ``shrink_below`` of the capacity, and ``compact()``.
+* :class:`_BlockedCodes`: INT4 key codes, 64-slot blocks stored d-major.
+* :class:`_GroupIndex`: per (sequence, layer group), the tier and slot of every position and the
+  position of every slot, shared by the layers of the group.
+* :class:`_SeqStore`: one sequence's H and INT4 tiers in one layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pask.kv.actions import Action
+from pask.kv.quant import dequantize_codes, pack_pairs, quantize_codes, unpack_pairs
+
+if TYPE_CHECKING:
+    from pask.kv.cache import CacheConfig
+
+H, L, R = int(Action.H), int(Action.L), int(Action.R)
+
+
+@dataclass
+class CopyStats:
+    """Storage reallocations done by the cache (for the amortised-append guarantee)."""
+
+    reallocs: int = 0
+    copied_bytes: int = 0
+    appended_bytes: int = 0
+
+
+SCALE_DTYPE = torch.bfloat16  # INT4-tier scales/zeros: 2 bytes like fp16, and what the int4 GEMM reads
+KEY_ZERO_POINT = 8  # key codes dequantise as (c - 8) * scale + zero, as PyTorch's int4 GEMM does
+BLOCK = 64  # INT4 key block: 64 token slots, stored d-major (see _BlockedCodes)
+
+
+class _Plain:
+    """A part stored as ``[heads, *pre, capacity, *post]``: slot axis ``1 + len(pre)``."""
+
+    def __init__(self, pre: tuple[int, ...], post: tuple[int, ...], dtype: torch.dtype):
+        self.pre, self.post, self.dtype = pre, post, dtype
+        self.dim = 1 + len(pre)
+
+    def alloc(self, heads: int, cap: int, device) -> torch.Tensor:
+        # zero-filled: slots past n then always hold finite values (the fused path reads whole blocks)
+        return torch.zeros((heads, *self.pre, cap, *self.post), dtype=self.dtype, device=device)
+
+    def copy_prefix(self, src: torch.Tensor, dst: torch.Tensor, n: int) -> None:
+        dst.narrow(self.dim, 0, n).copy_(src.narrow(self.dim, 0, n))
+
+    def write(self, t: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        t.narrow(self.dim, start, values.shape[self.dim]).copy_(values)
+
+    def read(self, t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return t.index_select(self.dim, slots)
+
+    def move(self, t: torch.Tensor, holes: torch.Tensor, movers: torch.Tensor) -> None:
+        t.index_copy_(self.dim, holes, t.index_select(self.dim, movers))
+
+    def live(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.narrow(self.dim, 0, n)
+
+    def slot_bytes(self, heads: int) -> int:
+        numel = heads
+        for x in (*self.pre, *self.post):
+            numel *= x
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class _BlockedCodes:
+    """INT4 key codes in blocks of 64 slots, d-major: ``[heads, capacity/64, D, 32]`` uint8.
+
+    Byte ``j`` of row ``d`` of a block holds slot ``j`` (low nibble) and slot ``j + 32`` (high
+    nibble) of that block. This is PyTorch's CPU int4-GEMM weight layout (AVX-512 build) for a
+    weight of ``[slots, D]``, so scores ``q @ K^T`` need no unpacking (see fastpath.py). Values
+    given and returned are unpacked codes ``[heads, k, D]``.
+    """
+
+    dim = 1
+    dtype = torch.uint8
+
+    def __init__(self, head_dim: int):
+        self.d = head_dim
+
+    def alloc(self, heads: int, cap: int, device) -> torch.Tensor:
+        return torch.zeros((heads, cap // BLOCK, self.d, BLOCK // 2), dtype=torch.uint8, device=device)
+
+    def copy_prefix(self, src: torch.Tensor, dst: torch.Tensor, n: int) -> None:
+        nb = -(-n // BLOCK)
+        dst[:, :nb] = src[:, :nb]
+
+    @staticmethod
+    def _where(slots: torch.Tensor):
+        blk, i = slots // BLOCK, slots % BLOCK
+        return blk, i % (BLOCK // 2), (i >= BLOCK // 2)
+
+    def _index(self, t: torch.Tensor, blk: torch.Tensor, col: torch.Tensor):
+        heads = t.shape[0]
+        h = torch.arange(heads, device=t.device)[:, None, None]
+        d = torch.arange(self.d, device=t.device)[None, None, :]
+        return h, blk[None, :, None], d, col[None, :, None]
+
+    def write_slots(self, t: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor) -> None:
+        blk, col, high = self._where(slots)
+        for sel, shift, keep in ((~high, 0, 0xF0), (high, 4, 0x0F)):  # two slots may share a byte
+            if not bool(sel.any()):
+                continue
+            idx = self._index(t, blk[sel], col[sel])
+            t[idx] = (t[idx] & keep) | (codes[:, sel] << shift)
+
+    def write(self, t: torch.Tensor, start: int, codes: torch.Tensor) -> None:
+        slots = torch.arange(start, start + codes.shape[1], device=t.device)
+        self.write_slots(t, slots, codes)
+
+    def read(self, t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        blk, col, high = self._where(slots)
+        byte = t[self._index(t, blk, col)]
+        return torch.where(high[None, :, None], byte >> 4, byte & 0x0F)
+
+    def move(self, t: torch.Tensor, holes: torch.Tensor, movers: torch.Tensor) -> None:
+        self.write_slots(t, holes, self.read(t, movers))
+
+    def live(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        return t[:, : -(-n // BLOCK)]
+
+    def slot_bytes(self, heads: int) -> int:
+        return heads * self.d // 2
+
+
+class _Tier:
+    """Dense storage of ``n`` live token slots over several parts: tail appends, swap-removes,
+    capacity doubling and shrinking (capacity a multiple of ``align``)."""
+
+    def __init__(self, parts: dict, heads: int, device, cfg: CacheConfig, stats: CopyStats, align: int = 1):
+        self.parts = parts
+        self.heads = heads
+        self.device = device
+        self.cfg = cfg
+        self.stats = stats
+        self.align = align
+        self.n = 0
+        self.cap = 0
+        self.t: dict[str, torch.Tensor] = {}
+        self._slot_bytes = sum(p.slot_bytes(heads) for p in parts.values())
+
+    def _round(self, cap: int) -> int:
+        return -(-cap // self.align) * self.align
+
+    def _realloc(self, cap: int) -> None:
+        cap = self._round(cap)
+        new = {k: p.alloc(self.heads, cap, self.device) for k, p in self.parts.items()}
+        if self.n:
+            for k, p in self.parts.items():
+                p.copy_prefix(self.t[k], new[k], self.n)
+            self.stats.copied_bytes += self.live_bytes()
+        self.stats.reallocs += 1
+        self.t, self.cap = new, cap
+
+    def append(self, **values: torch.Tensor) -> None:
+        name = next(iter(values))
+        k = values[name].shape[self.parts[name].dim]
+        if self.n + k > self.cap:
+            cap = max(self.cap, self._round(self.cfg.initial_capacity))
+            while cap < self.n + k:
+                cap *= 2
+            self._realloc(cap)
+        for key, v in values.items():
+            self.parts[key].write(self.t[key], self.n, v)
+        self.n += k
+        self.stats.appended_bytes += k * self._slot_bytes
+
+    def take(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: p.read(self.t[k], slots) for k, p in self.parts.items()}
+
+    def remove(self, holes: torch.Tensor, movers: torch.Tensor, new_n: int) -> None:
+        if holes.numel():
+            for k, p in self.parts.items():
+                p.move(self.t[k], holes, movers)
+        self.n = new_n
+        if self.n == 0:
+            self.free()
+        elif self.cap > self._round(self.cfg.initial_capacity) and self.n < self.cap * self.cfg.shrink_below:
+            # Θ(n) removals or appends separate two reallocations: amortised O(1) per token
+            self._realloc(max(self.cfg.initial_capacity, (self.n * 5 + 3) // 4))
+
+    def compact(self) -> None:
+        """Reallocate to the live slots (rounded up to ``align``): returns the spare capacity."""
+        if self.n == 0:
+            self.free()
+        elif self.cap > self._round(self.n):
+            self._realloc(self.n)
+
+    def view(self, name: str) -> torch.Tensor:
+        """The live part of a plain part's tensor."""
+        return self.parts[name].live(self.t[name], self.n)
+
+    def free(self) -> None:
+        self.t, self.cap, self.n = {}, 0, 0
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (all heads, all parts)."""
+        return self._slot_bytes
+
+    def live_bytes(self) -> int:
+        return self.n * self._slot_bytes
+
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.t.values())
+
+
+class _Growable:
+    """A 1-D int tensor with capacity doubling (index bookkeeping)."""
+
+    def __init__(self, dtype: torch.dtype, fill: int = 0):
+        self.dtype = dtype
+        self.fill = fill
+        self.t = torch.empty(0, dtype=dtype)
+
+    def ensure(self, size: int) -> None:
+        if size > self.t.numel():
+            cap = max(64, self.t.numel())
+            while cap < size:
+                cap *= 2
+            new = torch.full((cap,), self.fill, dtype=self.dtype)
+            new[: self.t.numel()] = self.t
+            self.t = new
+
+    def nbytes(self) -> int:
+        return self.t.numel() * self.t.element_size()
+
+
+class _GroupIndex:
+    """Per (sequence, layer group): tier and slot of every position, position of every slot, counts."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.prompt_len = 0
+        self.tier_of = _Growable(torch.int8, fill=-1)
+        self.slot_of = _Growable(torch.int32)
+        self.pos_of = {H: _Growable(torch.int32), L: _Growable(torch.int32)}
+        self.n = {H: 0, L: 0}
+        # counts[tier] = [prompt tokens, generated tokens]
+        self.counts = {H: [0, 0], L: [0, 0], R: [0, 0]}
+
+    def positions(self, tier: int) -> torch.Tensor:
+        return self.pos_of[tier].t[: self.n[tier]]
+
+    def _count(self, tier: int, pos: torch.Tensor, sign: int) -> None:
+        dec = int((pos >= self.prompt_len).sum())
+        self.counts[tier][0] += sign * (pos.numel() - dec)
+        self.counts[tier][1] += sign * dec
+
+    def append_h(self, k: int) -> None:
+        pos = torch.arange(self.length, self.length + k, dtype=torch.int32)
+        self.length += k
+        self.tier_of.ensure(self.length)
+        self.slot_of.ensure(self.length)
+        self._add(H, pos)
+
+    def _add(self, tier: int, pos: torch.Tensor) -> None:
+        n = self.n[tier]
+        k = pos.numel()
+        self.pos_of[tier].ensure(n + k)
+        self.pos_of[tier].t[n : n + k] = pos
+        self.tier_of.t[pos.long()] = tier
+        self.slot_of.t[pos.long()] = torch.arange(n, n + k, dtype=torch.int32)
+        self.n[tier] = n + k
+        self._count(tier, pos, +1)
+
+    def plan_remove(self, tier: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Holes below the new end, and the tail slots that move into them."""
+        n = self.n[tier]
+        new_n = n - slots.numel()
+        tail = torch.arange(new_n, n, dtype=torch.long)
+        movers = tail[~torch.isin(tail, slots)]
+        holes = torch.sort(slots[slots < new_n]).values
+        return holes, movers, new_n
+
+    def remove(self, tier: int, pos: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+        holes, movers, new_n = plan
+        p = self.pos_of[tier].t
+        if holes.numel():
+            moved = p[movers].clone()
+            p[holes] = moved
+            self.slot_of.t[moved.long()] = holes.to(torch.int32)
+        self.n[tier] = new_n
+        self._count(tier, pos, -1)
+
+    def release(self, pos: torch.Tensor) -> None:
+        self.tier_of.t[pos.long()] = R
+        self._count(R, pos, +1)
+
+    def nbytes(self) -> int:
+        return self.tier_of.nbytes() + self.slot_of.nbytes() + sum(g.nbytes() for g in self.pos_of.values())
+
+
+class _SeqStore:
+    """One sequence's tiers in one layer.
+
+    H tier: ``k, v [Hkv, cap, D]`` (model dtype). L tier: ``kq`` key codes (blocked, d-major),
+    ``ksz [Hkv, D/g, cap, 2]`` (scale, zero) per key group with ``k = (code - 8) * scale + zero`` (the
+    int4 GEMM's convention), ``vq [Hkv, D/g, cap, g/2]`` value codes per group as adjacent pairs
+    (the GEMM's layout for a ``[g, tokens]`` weight), ``vs, vz [Hkv, D/g, cap]`` value scale and zero.
+    Scales and zeros are bf16 (same 2 bytes as fp16; the int4 GEMM reads bf16), rounded so the
+    round-trip error stays within ``scale / 2``.
+    """
+
+    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, cfg: CacheConfig, stats: CopyStats):
+        g = head_dim // cfg.quant_group
+        self.group = cfg.quant_group
+        self.h = _Tier(
+            {"k": _Plain((), (head_dim,), dtype), "v": _Plain((), (head_dim,), dtype)}, heads, device, cfg, stats
+        )
+        int4 = {
+            "kq": _BlockedCodes(head_dim),
+            "ksz": _Plain((g,), (2,), SCALE_DTYPE),
+            "vq": _Plain((g,), (cfg.quant_group // 2,), torch.uint8),
+            "vs": _Plain((g,), (), SCALE_DTYPE),
+            "vz": _Plain((g,), (), SCALE_DTYPE),
+        }
+        self.l = _Tier(int4, heads, device, cfg, stats, align=BLOCK)
+
+    def tier(self, t: int) -> _Tier:
+        return self.h if t == H else self.l
+
+    def append_int4(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantise ``k, v [Hkv, n, D]`` and append them to the L tier."""
+        kc, ks, kz = quantize_codes(k, self.group, KEY_ZERO_POINT, SCALE_DTYPE)
+        vc, vs, vz = quantize_codes(v, self.group, 0, SCALE_DTYPE)
+        ksz = torch.stack([ks, kz], dim=-1).transpose(1, 2)
+        heads, n, d = vc.shape
+        vq = pack_pairs(vc.view(heads, n, d // self.group, self.group)).transpose(1, 2)
+        self.l.append(kq=kc, ksz=ksz, vq=vq, vs=vs.transpose(1, 2), vz=vz.transpose(1, 2))
+
+    def int4_kv(
+        self, start: int = 0, stop: int | None = None, dtype=torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised L-tier keys and values of slots ``[start, stop)``: ``[Hkv, m, D]`` each."""
+        stop = self.l.n if stop is None else stop
+        slots = torch.arange(start, stop, device=self.l.device)
+        t = self.l.t
+        codes = self.l.parts["kq"].read(t["kq"], slots)
+        sz = t["ksz"][:, :, start:stop].float().transpose(1, 2)  # [Hkv, m, G, 2]
+        k = dequantize_codes(codes, sz[..., 0], sz[..., 1], dtype, zero_point=KEY_ZERO_POINT)
+        vs = t["vs"][:, :, start:stop].transpose(1, 2)
+        vz = t["vz"][:, :, start:stop].transpose(1, 2)
+        vc = unpack_pairs(t["vq"][:, :, start:stop]).transpose(1, 2).flatten(-2)  # [Hkv, m, D]
+        v = dequantize_codes(vc, vs, vz, dtype)
+        return k, v
