@@ -210,6 +210,49 @@ def inspect(
         globals()["console"].print(f"wrote {html}")
 
 
+@bench_app.command("kv")
+@user_errors
+def bench_kv_cmd(
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    contexts: Annotated[str, typer.Option(help="comma-separated context lengths")] = "2048,8192,32768",
+    mix: Annotated[str, typer.Option(help="H:INT4:release fractions outside the recent window")] = "0.34:0.33:0.33",
+    repeats: int = 30,
+    threads: int = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="print the raw JSON result")] = False,
+) -> None:
+    """KV bytes held vs Full KV, cost-model discrepancy, mixed vs full decode-attention time, model step time."""
+    from pask.kv.bench import bench_kv
+
+    try:
+        ctx = [int(c) for c in contexts.split(",") if c.strip()]
+        fractions = [float(x) for x in mix.split(":")]
+    except ValueError:
+        raise PaskError("--contexts takes integers like 2048,8192 and --mix fractions like 0.34:0.33:0.33") from None
+    if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
+        raise PaskError(f"--mix must be three non-negative fractions summing to 1, got {mix}")
+    if not ctx or min(ctx) < 16:
+        raise PaskError("--contexts must be lengths >= 16")
+    result = bench_kv(model, ctx, fractions, repeats=repeats, threads=threads)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    nan = float("nan")
+    table = [
+        "| context | B measured | B cost model | attention speed-up | model step speed-up |",
+        "|---|---|---|---|---|",
+    ]
+    for c in result["contexts"]:
+        cells = (
+            str(c["context"]),
+            f"{c.get('b_measured', nan):.4f}",
+            f"{c.get('b_cost_model', nan):.4f}",
+            f"{c.get('attention_speedup', nan):.2f}x",
+            f"{c.get('model_step_speedup_vs_full_tiered', nan):.2f}x",
+        )
+        table.append("| " + " | ".join(cells) + " |")
+    print("\n".join(table))
+
+
 def make_policy(name: str, budget: float | None, config: str | None = None):
     """The policy object for a name; ``full`` without config is Full KV on DynamicCache (None)."""
     from pask.policies import get_policy

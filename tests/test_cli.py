@@ -84,3 +84,17 @@ def test_unsatisfiable_schema(tmp_path):
     req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}))
     res = _run("generate", str(req), "--model", "smollm2-135m")
     assert res.exit_code == 2 and "nsatisfiable" in res.output
+
+
+def test_bench_kv_bad_mix():
+    res = _run("bench", "kv", "--mix", "0.5:0.6:0.1")
+    assert res.exit_code == 2 and "summing to 1" in res.output
+    res = _run("bench", "kv", "--contexts", "abc")
+    assert res.exit_code == 2 and "--contexts" in res.output
+
+
+def test_policy_config_errors():
+    res = _run("eval", "bfcl", "--policy", "static_mix", "--policy-config", "{bad", "--limit", "1")
+    assert res.exit_code == 2 and "not valid JSON" in res.output
+    res = _run("eval", "bfcl", "--policy", "static_mix", "--policy-config", '{"h": 1, "zz": 2}', "--limit", "1")
+    assert res.exit_code == 2 and "bad configuration" in res.output

@@ -47,3 +47,21 @@ def test_generation_reports_timings_and_stop(smol):
     assert len(g.token_ids) <= 5
     assert g.prefill_ms > 0 and g.tpot_ms >= 0
     assert g.prompt_len > 0
+
+
+def test_policy_run_reports_measured_budget_and_keeps_grammar(smol):
+    """A tiered policy through the engine: constrained output stays valid, budget is measured per request."""
+    from pask.evaluation.run_bfcl import prepare, schema_valid
+    from pask.policies import StaticMixPolicy
+    from pask.tasks.function_calling import load_cases
+
+    cases = load_cases(["simple"], split="test", limit=2)
+    reqs = [prepare(smol, c, 48)[0] for c in cases]
+    gens = generate(smol, reqs, policy=StaticMixPolicy(0.2, 0.4, 0.4))
+    for c, g in zip(cases, gens, strict=True):
+        b = g.extra["budget"]
+        assert 0.2 < b["b_prompt"] < 0.5 and 0 < b["b_total"] < 1
+        assert set(b) >= {"b_prompt", "b_decode", "b_total", "b_total_avg", "held_bytes"}
+        if g.stop_reason != "length":
+            assert schema_valid(c, g.text) is None
+    assert smol.model.config._attn_implementation == "sdpa"  # restored after the batch
