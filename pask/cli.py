@@ -145,6 +145,8 @@ def eval_bfcl(
     threads: int | None = None,
     save_tags: Annotated[bool, typer.Option(help="store per-token tags and prompt labels")] = False,
     policy_config: Annotated[str | None, typer.Option(help="policy parameters as JSON")] = None,
+    table: Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")] = None,
+    allow_transfer: Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")] = False,
 ) -> None:
     """Evaluate BFCL categories; writes cases.jsonl, summary.json and summary.md (paper Table 1 layout)."""
     from pask.evaluation.run_bfcl import run_bfcl, table_markdown
@@ -157,10 +159,16 @@ def eval_bfcl(
         raise PaskError(f"no cases for categories {cats} in split '{split}'")
     if budget is not None and not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
-    kv_policy = make_policy(policy, budget, policy_config)
+    if policy == "pask" and table is None:
+        raise PaskError("--policy pask needs --table FILE (made by `pask calibrate`)")
+    kv_policy = None if policy == "pask" else make_policy(policy, budget, policy_config)
     out = out or Path("runs") / f"bfcl-{model.replace('/', '_')}-{policy}-{split}"
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
+    if policy == "pask":
+        from pask.policies.pask import make_pask_policy
+
+        kv_policy = make_pask_policy(table, budget, fingerprint=lm.fingerprint, allow_transfer=allow_transfer)
     meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats}
     meta["command"] = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress_bar() as bar:
@@ -208,6 +216,39 @@ def inspect(
     if html:
         write_html(console, html)
         globals()["console"].print(f"wrote {html}")
+
+
+@app.command()
+@user_errors
+def calibrate(
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    task: Annotated[str, typer.Option(help="task (bfcl)")] = "bfcl",
+    split: Annotated[str, typer.Option(help="calibration split (never test or live)")] = "calibration",
+    budget: Annotated[float, typer.Option(help="target total KV budget B in (0, 1]")] = 0.33,
+    out: Annotated[Path, typer.Option(help="table file to write (work dir beside it; resumable)")] = Path(
+        "pask-table.json"
+    ),
+    limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
+    batch_size: int = 8,
+    dtype: str = "bf16",
+    threads: int | None = None,
+) -> None:
+    """Offline calibration: sensitivity floors + distortion-ranked upgrades -> frozen PASK table."""
+    from pask.calibration.calibrate import calibrate_command, report_path_for
+
+    if not 0 < budget <= 1:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    _threads(threads)
+    with progress_bar() as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, advance: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], advance=advance, total=total)
+
+        table = calibrate_command(model, task, split, budget, out, limit, batch_size, _dtype(dtype), progress)
+    console.print(f"table: {out} (expected B {table.expected_b:.3f}); report: {report_path_for(out)}")
 
 
 @bench_app.command("kv")

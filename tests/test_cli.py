@@ -98,3 +98,15 @@ def test_policy_config_errors():
     assert res.exit_code == 2 and "not valid JSON" in res.output
     res = _run("eval", "bfcl", "--policy", "static_mix", "--policy-config", '{"h": 1, "zz": 2}', "--limit", "1")
     assert res.exit_code == 2 and "bad configuration" in res.output
+
+
+def test_pask_policy_needs_a_table(tmp_path):
+    res = _run("eval", "bfcl", "--policy", "pask", "--limit", "1")
+    assert res.exit_code == 2 and "--table" in res.output
+
+
+def test_calibrate_refuses_test_split_and_bad_budget(tmp_path):
+    res = _run("calibrate", "--split", "test", "--out", str(tmp_path / "t.json"))
+    assert res.exit_code == 2
+    res = _run("calibrate", "--budget", "0", "--out", str(tmp_path / "t.json"))
+    assert res.exit_code == 2 and "(0, 1]" in res.output

@@ -148,3 +148,24 @@ def test_parse_calls_rejects_bad_json():
     with pytest.raises(PaskError):
         parse_calls("<tool_call>\n{not json}\n</tool_call>")
     assert parse_calls("no calls here") == []
+
+
+def test_grammar_accepts_later_call_without_marker(qwen_tokenizer):
+    tok = qwen_tokenizer
+    llt = ll_tokenizer(tok, [tok.convert_tokens_to_ids("<|im_end|>")])
+    tools, name_map = to_tools(
+        [{"name": "f", "parameters": {"type": "dict", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}]
+    )
+    text = (
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+        '{"name": "f", "arguments": {"a": 2}}\n</tool_call>\n'
+    )
+    c = Constraint(llt, build_grammar(tools, tok))
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        c.consume(t)
+    assert c.is_accepting()
+    assert parse_calls(text, name_map) == [{"f": {"a": 1}}, {"f": {"a": 2}}]
+    c = Constraint(llt, build_grammar(tools, tok))  # the first call still needs its marker
+    with pytest.raises(SchemaError):
+        for t in tok('{"name"', add_special_tokens=False)["input_ids"]:
+            c.consume(t)

@@ -627,7 +627,7 @@ class JsonCallTagger:
                 st = S_MARKER
                 buf.clear()
                 buf.append(b)
-            elif b == LBRACE and st == S_BODY:
+            elif b == LBRACE and st in (S_BODY, S_TOP):  # S_TOP: a later call without its opening marker
                 stack.append([True, _CALL, R_SEP, False, 0])
                 self._call_node = None
                 curfb = False

@@ -251,27 +251,37 @@ def marker(tokenizer, text: str) -> str:
 
 
 def build_grammar(tools: list[dict], tokenizer=None, max_calls: int | None = None) -> str:
-    """Lark grammar: one or more native tool-call blocks, each constrained by the offered tools."""
+    """Lark grammar: one or more native tool-call blocks, each constrained by the offered tools.
+
+    After the first block the opening marker is optional: small models (qwen2.5-coder-0.5b)
+    continue a parallel answer with the next call's JSON directly after ``</tool_call>\n``
+    (measured: p({") = 0.74-0.98 vs p(<tool_call>) ~ 0 on BFCL parallel cases), and a grammar
+    that insists on the marker turns those answers into a single call.
+    """
     if not tools:
         raise PaskError("a request needs at least one tool")
     schema = {"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 else call_schema(tools[0])
-    repeat = '("\\n" call)*' if max_calls is None else f'("\\n" call){{0,{max_calls - 1}}}'
+    repeat = '("\\n" later)*' if max_calls is None else f'("\\n" later){{0,{max_calls - 1}}}'
+    open_, close = marker(tokenizer, TOOL_CALL_OPEN), marker(tokenizer, TOOL_CALL_CLOSE)
     return "\n".join(
         [
             f'start: call {repeat} "\\n"?',  # the model ends with "</tool_call>\n" then EOS
-            f'call: {marker(tokenizer, TOOL_CALL_OPEN)} "\\n" body "\\n" {marker(tokenizer, TOOL_CALL_CLOSE)}',
+            f'call: {open_} "\\n" body "\\n" {close}',
+            f'later: ({open_} "\\n")? body "\\n" {close}',
             f"body: {lark_json(schema)}",
         ]
     )
 
 
-_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
-
-
 def parse_calls(text: str, name_map: dict[str, str] | None = None) -> list[dict[str, dict]]:
-    """Parse tool-call blocks into BFCL's ``[{"name": {args}}]`` form (original names)."""
+    """Parse tool-call blocks into BFCL's ``[{"name": {args}}]`` form (original names).
+
+    Every ``</tool_call>`` closes one call; its opening marker may be missing (see build_grammar).
+    """
     calls = []
-    for body in _CALL_RE.findall(text):
+    blocks = text.split(TOOL_CALL_CLOSE)[:-1]  # text before each closing marker
+    for block in blocks:
+        body = block.strip().removeprefix(TOOL_CALL_OPEN).strip()
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as e:

@@ -1,0 +1,408 @@
+"""Offline calibration: control run -> buckets -> Runtime-V and Runtime-D per candidate -> solver -> table.
+
+``calibrate(lm, out=Path("tables/qwen-bfcl.json"))`` writes
+
+- ``out``: the :class:`FrozenTable` (JSON);
+- ``out`` with suffix ``.report.md``: calibration cost (paper Table 15 layout), sensitivity vs
+  distortion (Table 16 layout), the buckets and the solver's decisions;
+- ``<out stem>.calibration/``: the resumable work directory (control run, ``buckets.json``,
+  ``sensitivity.jsonl`` + one run directory per candidate, ``distortion.jsonl``).
+
+Every step resumes: a rerun with the same arguments recomputes nothing that finished (the
+solver and the report are recomputed, they take milliseconds). Candidates = every measured
+bucket x {L, R}; with G layer groups and I items that is 2 G I runs of the calibration split
+for V and as many teacher-forced replays for D.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pask.calibration.buckets import BucketPlan, plan_buckets
+from pask.calibration.control import run_control
+from pask.calibration.distortion import run_distortion
+from pask.calibration.sensitivity import probe_policy, run_sensitivity
+from pask.calibration.solver import BucketInput, Solution, cost, solve
+from pask.calibration.table import FrozenTable
+from pask.errors import PaskError
+from pask.kv.budget import CostModel
+from pask.kv.cache import CacheConfig, attention_spec
+from pask.policies.pask import PaskPolicy
+
+Progress = Callable[[str, int, int], None]  # (phase, advance, total)
+
+
+def work_dir_for(out: Path) -> Path:
+    return out.parent / f"{out.stem}.calibration"
+
+
+def report_path_for(out: Path) -> Path:
+    return out.with_suffix(".report.md")
+
+
+def _cases(task: str, split: str, categories: list[str] | None, limit: int | None) -> tuple[list, list[str]]:
+    if task != "bfcl":
+        raise PaskError(f"calibration supports task 'bfcl' only for now, got '{task}'")
+    from pask.tasks.function_calling import LIVE, NON_LIVE, load_cases
+
+    cats = list(categories or NON_LIVE)
+    live = [c for c in cats if c in LIVE]
+    if live:
+        raise PaskError(f"live categories {live} are evaluation-only: never calibrate on them")
+    if split == "test":
+        raise PaskError("calibrating on the test split would leak it: use --split calibration (or dev)")
+    cases = load_cases(cats, split=split, limit=limit)
+    if not cases:
+        raise PaskError(f"no cases for categories {cats} in split '{split}'")
+    return cases, cats
+
+
+def calibrate(
+    lm,
+    task: str = "bfcl",
+    split: str = "calibration",
+    budget: float = 0.33,
+    out: Path | str = Path("pask-table.json"),
+    limit: int | None = None,
+    batch_size: int = 8,
+    progress: Progress | None = None,
+    *,
+    categories: list[str] | None = None,
+    max_new_tokens: int = 384,
+    alpha_d: float = 0.05,
+    alpha_p: float = 0.02,
+    num_groups: int = 4,
+    recent_window: int = 8,
+    min_share: float = 0.01,
+    buckets: list[str] | None = None,
+    distortion: bool = True,
+) -> FrozenTable:
+    """Calibrate a PASK table for ``lm`` on ``task``/``split`` under total budget ``budget``; see the module doc.
+
+    ``limit``: at most N cases per category. ``buckets``: measure only these bucket names (the
+    others get the default action H; for quick checks). ``distortion=False`` skips Runtime-D (every
+    D is then unknown = +inf: only upgrades straight to H have a gain, all infinite, taken in bucket
+    name order while they fit).
+    """
+    if not 0 < budget <= 1:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    out = Path(out)
+    cases, cats = _cases(task, split, categories, limit)
+    default_cfg = CacheConfig()
+    if (num_groups, recent_window) != (default_cfg.num_groups, default_cfg.recent_window):
+        raise PaskError(
+            f"evaluation runs the cache with {default_cfg.num_groups} layer groups and recent window "
+            f"{default_cfg.recent_window}; a table for {num_groups} / {recent_window} could not be evaluated"
+        )
+    work = work_dir_for(out)
+    work.mkdir(parents=True, exist_ok=True)
+    _check_settings(
+        work,
+        {
+            "fingerprint": lm.fingerprint,
+            "task": task,
+            "split": split,
+            "case_ids": [c.id for c in cases],
+            "max_new_tokens": max_new_tokens,
+            "num_groups": num_groups,
+            "recent_window": recent_window,
+            "min_share": min_share,
+        },
+    )
+    t_start = time.perf_counter()
+    cache_config = CacheConfig(num_groups=num_groups, recent_window=recent_window)
+
+    control = run_control(lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress)
+    plan = plan_buckets(control.rows, lm.num_layers, num_groups, recent_window, min_share, buckets)
+    (work / "buckets.json").write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+    candidates = [(name, a) for name, *_ in plan.buckets() for a in ("L", "R")]
+
+    v_recs, v_run = run_sensitivity(lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress)
+    d_recs, d_run = {}, 0
+    if distortion:
+        d_recs, d_run = run_distortion(
+            lm,
+            control,
+            plan,
+            candidates,
+            work,
+            lambda b, a: probe_policy(plan, b, a, lm.fingerprint, recent_window),
+            cache_config,
+            progress,
+        )
+
+    inputs = [
+        BucketInput(
+            name,
+            it.stage,
+            w,
+            v={a: v_recs[(name, a)]["v"] for a in ("L", "R") if (name, a) in v_recs},
+            d={a: d_recs[(name, a)]["d"] for a in ("L", "R") if (name, a) in d_recs},
+        )
+        for name, it, _, w in plan.buckets()
+    ]
+    default = "H"
+    spec = attention_spec(lm.model.config, cache_config.quant_group)
+    l_cost = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype).int4_ratio  # 0.3125 in bf16
+    base_b = plan.window_share + plan.base_share() * cost(default, l_cost)
+    sol = solve(inputs, budget, alpha_d, alpha_p, base_b, l_cost)
+    actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
+    meta = {
+        "split": split,
+        "categories": cats,
+        "limit": limit,
+        "cases": len(cases),
+        "cases_run": len(control.rows),
+        "case_ids": [c.id for c in cases],
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "min_share": min_share,
+        "l_cost": l_cost,
+        "control_accuracy": control.accuracy,
+        "control_wall_s": round(control.wall_s, 1),
+        "sensitivity_wall_s": round(sum(r["wall_s"] for r in v_recs.values()), 1),
+        "distortion_wall_s": round(sum(r["wall_s"] for r in d_recs.values()), 1),
+        "this_call": {
+            "wall_s": round(time.perf_counter() - t_start, 1),
+            "control_batches": control.batches_run,
+            "sensitivity_candidates": v_run,
+            "distortion_candidates": d_run,
+        },
+        "buckets": [
+            {
+                "bucket": b.bucket,
+                "stage": b.stage,
+                "weight": round(b.weight, 6),
+                "members": plan.members(b.bucket),
+                "V": b.v,
+                "D": b.d,
+                "V_eff": _finite(sol.v_eff[b.bucket]),
+                "floor": sol.floors[b.bucket],
+                "action": sol.actions[b.bucket],
+            }
+            for b in inputs
+        ],
+        "window_share": plan.window_share,
+        "unmeasured_share": plan.base_share(),
+        "skipped": plan.skipped,
+        "feasible": sol.feasible,
+        "floor_b": sol.floor_b,
+        "upgrades": sol.upgrades,
+    }
+    table = FrozenTable(
+        actions=actions,
+        fingerprint=lm.fingerprint,
+        model_name=lm.name,
+        task=task,
+        num_groups=num_groups,
+        recent_window=recent_window,
+        target_b=budget,
+        expected_b=round(sol.expected_b, 6),
+        alpha_d=alpha_d,
+        alpha_p=alpha_p,
+        default_action=default,
+        calibration=meta,
+    )
+    table.save(out)
+    report_path_for(out).write_text(report_markdown(table, plan, sol, control, v_recs, d_recs))
+    return table
+
+
+def _check_settings(work: Path, settings: dict) -> None:
+    """A work directory resumes only the calibration it was started for (same model, cases and settings)."""
+    path = work / "settings.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in settings.keys() | old.keys() if old.get(k) != settings.get(k))
+        if diff:
+            raise PaskError(
+                f"{work} holds a calibration with other settings ({', '.join(diff)} differ); "
+                "use another --out or delete that directory"
+            )
+    else:
+        path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def _finite(d: dict[str, float]) -> dict[str, float | None]:
+    return {k: (v if math.isfinite(v) else None) for k, v in d.items()}
+
+
+# -- report ---------------------------------------------------------------------------------------
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def mismatch_stats(v: dict[str, float], d: dict[str, float], top: float = 0.2, bottom: float = 0.5) -> dict:
+    """Table 16: of the top-``top`` buckets by effective sensitivity, how many distortion also ranks
+    in its top-``top`` (recall) and how many it ranks in its bottom-``bottom`` (mismatch).
+
+    Ranks sort by value, descending, ties by bucket name. ``k = ceil(top x n)`` buckets form the top.
+    """
+    names = sorted(set(v) & set(d))
+    n = len(names)
+    if n == 0:
+        return {"n": 0, "k": 0, "recall": float("nan"), "mismatch": float("nan"), "top": []}
+    k = max(1, math.ceil(top * n))
+    by_v = sorted(names, key=lambda x: (-v[x], x))
+    by_d = sorted(names, key=lambda x: (-d[x], x))
+    top_v, top_d = set(by_v[:k]), set(by_d[:k])
+    bottom_d = set(by_d[n - math.floor(bottom * n) :]) if math.floor(bottom * n) else set()
+    return {
+        "n": n,
+        "k": k,
+        "recall": len(top_v & top_d) / k,
+        "mismatch": len(top_v & bottom_d) / k,
+        "top": by_v[:k],
+    }
+
+
+def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control, v_recs, d_recs) -> str:
+    meta = table.calibration
+    v_times = [r["wall_s"] for r in v_recs.values()]
+    d_times = [r["wall_s"] for r in d_recs.values()]
+    n_cand = len(v_recs)
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    lines = [
+        f"# PASK calibration: {table.model_name} on {table.task} ({meta['split']}, {meta['cases']} cases)",
+        "",
+        f"Table: {sol.summary()}; L cost {meta['l_cost']:.5f}.",
+        f"Tolerances alpha_D = {table.alpha_d}, alpha_P = {table.alpha_p}; {table.num_groups} layer groups; "
+        f"recent window {table.recent_window}; default action {table.default_action}.",
+        f"All-H control accuracy: {100 * control.accuracy:.2f} % ({control.summary['overall']['correct']}/"
+        f"{control.summary['overall']['n']}).",
+        "",
+        "## Calibration cost (Table 15 layout)",
+        "",
+        "The control is one pass serving both V (accuracy, tags) and D (attention captures).",
+        "",
+        "| | Runtime-V | Runtime-D |",
+        "|---|---:|---:|",
+        f"| All-high control | {control.wall_s:.1f} s | (shared) |",
+        f"| Candidate time, median | {_s(statistics.median(v_times) if v_times else None)} | "
+        f"{_s(statistics.median(d_times) if d_times else None)} |",
+        f"| Candidate time, p90 | {_s(_pct(v_times, 0.9) if v_times else None)} | "
+        f"{_s(_pct(d_times, 0.9) if d_times else None)} |",
+        f"| Peak process memory (RSS, this call) | {peak_gib:.2f} GiB | |",
+        f"| Full {n_cand}-candidate scan | {_h(sum(v_times))} | {_h(sum(d_times))} |",
+        "",
+    ]
+    lines += ["## Sensitivity vs distortion (Table 16 layout)", ""]
+    lines += ["| Action | Model-side score | Recall @20% | Mismatch 20,50 | buckets |", "|---|---|---:|---:|---:|"]
+    for a, label in (("R", "Release $R$"), ("L", "Retain-low $L$")):
+        v = {b: sol.v_eff[b][a] for b in sol.v_eff if (b, a) in v_recs}
+        d = {b: sol.d_eff[b][a] for b in sol.d_eff if (b, a) in d_recs}
+        m = mismatch_stats(v, d)
+        lines.append(f"| {label} | $D(q,{a})$ | {_p(m['recall'])} | {_p(m['mismatch'])} | {m['n']} |")
+    lines += [
+        "",
+        "Recall @20%: share of the top-20 % buckets by effective sensitivity (monotone envelope) that "
+        "distortion also ranks in its top 20 %; Mismatch 20,50: share of them distortion ranks in its bottom 50 %.",
+        "",
+        "## Buckets",
+        "",
+        f"Window share {plan.window_share:.4f}; unmeasured share {plan.base_share():.4f} "
+        f"(default {table.default_action}); skipped: {', '.join(s['name'] for s in plan.skipped) or 'none'}.",
+        "",
+        "| bucket | weight | V(L) | V(R) | Veff(R) | D(L) | D(R) | floor | action |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for b in meta["buckets"]:
+        name = _md(b["bucket"])
+        lines.append(
+            f"| `{name}` | {b['weight']:.4f} | {_f(b['V'].get('L'))} | {_f(b['V'].get('R'))} | "
+            f"{_f(b['V_eff'].get('R'))} | {_f(b['D'].get('L'))} | {_f(b['D'].get('R'))} | "
+            f"{b['floor']} | {b['action']} |"
+        )
+    lines += ["", "## Upgrades (in order)", ""]
+    if sol.upgrades:
+        lines += [
+            "| bucket | from | to | D gain | added B | gain / cost | B after |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        for u in sol.upgrades:
+            lines.append(
+                f"| `{_md(u['bucket'])}` | {u['from']} | {u['to']} | {_f(u['gain'])} | {u['added_b']:.4f} | "
+                f"{_f(u['ratio'])} | {u['b']:.4f} |"
+            )
+    else:
+        lines.append("none")
+    return "\n".join(lines) + "\n"
+
+
+def _md(name: str) -> str:
+    """A bucket name inside a markdown table cell (``|`` escaped)."""
+    return name.replace("|", "\\|")
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} s"
+
+
+def _h(x: float) -> str:
+    return f"{x / 3600:.2f} h" if x >= 360 else f"{x:.1f} s"
+
+
+def _p(x: float) -> str:
+    return "-" if x != x else f"{100 * x:.1f}%"
+
+
+def _f(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4g}"
+
+
+# -- dev check and CLI entry -----------------------------------------------------------------------
+def check_dev(
+    lm,
+    table: FrozenTable,
+    out_dir: Path,
+    limit: int | None = None,
+    batch_size: int = 8,
+    max_new_tokens: int = 384,
+    categories: list[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict:
+    """Evaluate the table on the dev split; the summary gains ``expected_b`` (the table's prediction)."""
+    from pask.evaluation.run_bfcl import run_bfcl
+
+    cases, cats = _cases(table.task, "dev", categories, limit)
+    meta = {"model": lm.name, "policy": "pask", "budget": table.target_b, "split": "dev", "categories": cats}
+    summary = run_bfcl(lm, cases, Path(out_dir), batch_size, max_new_tokens, PaskPolicy(table), progress, meta)
+    summary["expected_b"] = table.expected_b
+    return summary
+
+
+def calibrate_command(
+    model: str,
+    task: str = "bfcl",
+    split: str = "calibration",
+    budget: float = 0.33,
+    out: Path | str = Path("pask-table.json"),
+    limit: int | None = None,
+    batch_size: int = 8,
+    dtype=None,
+    progress: Progress | None = None,
+    **kwargs,
+) -> FrozenTable:
+    """``pask calibrate --model M --task bfcl --split calibration --budget 0.33 --out FILE [--limit N]``."""
+    import torch
+
+    from pask.models import load_model
+
+    if task != "bfcl":
+        raise PaskError(f"calibration supports task 'bfcl' only for now, got '{task}'")
+    _cases(task, split, kwargs.get("categories"), limit)  # validate before loading the model
+    lm = load_model(model, dtype=dtype or torch.bfloat16)
+    return calibrate(lm, task, split, budget, Path(out), limit, batch_size, progress, **kwargs)

@@ -1,0 +1,168 @@
+"""The table solver: protection floors from task sensitivity, then greedy upgrades by distortion.
+
+Inputs, per bucket ``q`` (a structure item in one layer group):
+
+- ``weight`` w_q: the expected share of a case's KV bytes that the bucket's tokens hold when
+  kept H: (mean over cases of the bucket item's tokens outside the final recent window / all
+  stored tokens of the case) x (layers in the group / all layers).
+- ``v[a]``: task sensitivity V(q, a) for a in {L, R}: accuracy drop (fraction, 0.05 = 5 pp) of
+  the all-H run when only ``q`` gets ``a``. Missing = not measured = +inf.
+- ``d[a]``: attention-output distortion D(q, a) (relative L2). Missing = +inf.
+- ``stage``: ``"P"`` (prompt bucket, tolerance alpha_P) or ``"D"`` (decode bucket, alpha_D).
+
+``base_b`` is the cost of everything outside the buckets: tokens in the recent window (always
+H) plus tokens of unmeasured buckets at the table's default action. The expected budget of a
+table is ``B = base_b + sum_q w_q * cost(action_q)`` with cost H = 1, L = ``l_cost`` (0.3125),
+R = 0 -- the same cost model the cache measures.
+
+Rules (exact):
+
+1. Monotone envelope: ``Veff(q, L) = V(q, L)``; ``Veff(q, R) = max(V(q, R), V(q, L))``
+   (releasing is at least as harmful as INT4). ``Veff(q, H) = 0``. Distortion gets the same
+   envelope: ``Deff(q, L) = D(q, L)``, ``Deff(q, R) = max(D(q, R), D(q, L))``, ``Deff(q, H) = 0``.
+2. Floor: the cheapest action ``a`` with ``Veff(q, a) <= alpha`` (alpha = alpha_P for prompt
+   buckets, alpha_D for decode buckets). By (1) the allowed actions are "floor and everything
+   dearer", so R allowed implies L allowed.
+3. Start from the floor table. If its B already exceeds ``target_b``, the target is infeasible
+   under the tolerances: the floor table is returned with ``feasible = False`` (the floors are
+   never broken to meet a budget).
+4. Otherwise upgrade greedily while B stays <= ``target_b``: among every single upgrade of one
+   bucket from its current action to a dearer one (R->L, R->H, L->H) whose added cost
+   ``w_q * (cost(new) - cost(cur))`` still fits, take the one with the largest distortion
+   reduction per unit cost ``(Deff(q, cur) - Deff(q, new)) / added cost``; ties go to the larger
+   reduction, then to the smaller bucket name. Only upgrades that reduce distortion
+   (``gain > 0``) are taken. Stop when no upgrade fits. ``target_b`` is an upper bound: the
+   result may spend less when nothing else reduces distortion or fits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+L_COST = 0.3125
+ORDER = ("R", "L", "H")  # cheapest first
+
+
+@dataclass(frozen=True)
+class BucketInput:
+    """One calibrated bucket (see the module docstring)."""
+
+    bucket: str
+    stage: str  # "P" | "D"
+    weight: float
+    v: dict[str, float] = field(default_factory=dict)
+    d: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.stage not in ("P", "D"):
+            raise ValueError(f"stage must be 'P' or 'D', got {self.stage!r}")
+        if not self.weight >= 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+
+
+@dataclass
+class Solution:
+    """Solver result: actions per bucket, floors, budgets and the upgrade trace."""
+
+    actions: dict[str, str]
+    floors: dict[str, str]
+    expected_b: float
+    floor_b: float
+    target_b: float
+    feasible: bool
+    v_eff: dict[str, dict[str, float]]
+    d_eff: dict[str, dict[str, float]]
+    upgrades: list[dict] = field(default_factory=list)  # in the order taken
+
+    def summary(self) -> str:
+        n = {a: sum(x == a for x in self.actions.values()) for a in ORDER}
+        state = "feasible" if self.feasible else "INFEASIBLE: the floors alone exceed the target"
+        return (
+            f"target B {self.target_b:.4f}, floors B {self.floor_b:.4f}, expected B {self.expected_b:.4f} ({state}); "
+            f"buckets H/L/R = {n['H']}/{n['L']}/{n['R']}, {len(self.upgrades)} upgrades"
+        )
+
+
+def cost(action: str, l_cost: float = L_COST) -> float:
+    return {"H": 1.0, "L": l_cost, "R": 0.0}[action]
+
+
+def _num(x: float | None) -> float:
+    return math.inf if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def envelope(values: dict[str, float]) -> dict[str, float]:
+    """Monotone envelope over H <= L <= R: H = 0, L = values[L], R = max(values[R], values[L])."""
+    lv = _num(values.get("L"))
+    return {"H": 0.0, "L": lv, "R": max(_num(values.get("R")), lv)}
+
+
+def floor_action(v_eff: dict[str, float], alpha: float) -> str:
+    """Cheapest action whose effective sensitivity is within the tolerance (H always is)."""
+    for a in ORDER:
+        if v_eff[a] <= alpha:
+            return a
+    return "H"
+
+
+def expected_b(
+    actions: dict[str, str], buckets: Iterable[BucketInput], base_b: float = 0.0, l_cost: float = L_COST
+) -> float:
+    """``base_b + sum_q w_q * cost(action_q)``."""
+    return base_b + sum(b.weight * cost(actions[b.bucket], l_cost) for b in buckets)
+
+
+def solve(
+    buckets: list[BucketInput],
+    target_b: float,
+    alpha_d: float = 0.05,
+    alpha_p: float = 0.02,
+    base_b: float = 0.0,
+    l_cost: float = L_COST,
+) -> Solution:
+    """Floors from sensitivity, then greedy distortion-per-cost upgrades under ``target_b``."""
+    names = [b.bucket for b in buckets]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate bucket names")
+    v_eff = {b.bucket: envelope(b.v) for b in buckets}
+    d_eff = {b.bucket: envelope(b.d) for b in buckets}
+    floors = {b.bucket: floor_action(v_eff[b.bucket], alpha_p if b.stage == "P" else alpha_d) for b in buckets}
+    actions = dict(floors)
+    floor_b = expected_b(actions, buckets, base_b, l_cost)
+    sol = Solution(actions, floors, floor_b, floor_b, target_b, floor_b <= target_b + 1e-12, v_eff, d_eff)
+    if not sol.feasible:
+        return sol
+    b_now = floor_b
+    eps = 1e-12
+    while True:
+        moves = []
+        for b in buckets:
+            cur = actions[b.bucket]
+            for new in ORDER[ORDER.index(cur) + 1 :]:
+                added = b.weight * (cost(new, l_cost) - cost(cur, l_cost))
+                gain = d_eff[b.bucket][cur] - d_eff[b.bucket][new]
+                if b_now + added > target_b + eps or not gain > 0:
+                    continue
+                ratio = gain / added if added > 0 else math.inf
+                moves.append((-ratio, -gain, b.bucket, new, added))
+        if not moves:
+            break
+        neg_ratio, neg_gain, name, new, added = min(moves)
+        cur = actions[name]
+        actions[name] = new
+        b_now += added
+        sol.upgrades.append(
+            {
+                "bucket": name,
+                "from": cur,
+                "to": new,
+                "gain": -neg_gain,
+                "added_b": added,
+                "ratio": -neg_ratio,
+                "b": b_now,
+            }
+        )
+    sol.expected_b = expected_b(actions, buckets, base_b, l_cost)
+    return sol

@@ -1,0 +1,89 @@
+"""A tiny end-to-end calibration on smollm2-135m: 2 cases, 2 buckets; files, resume, replay identity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pask.calibration import load
+from pask.calibration.calibrate import calibrate, report_path_for, work_dir_for
+
+
+def _lines(path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_tiny_calibration_writes_files_and_resumes(smol, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "smol-bfcl.json"
+    kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=32)
+    events: list[tuple[str, int, int]] = []
+
+    # 1. control only (no bucket selected): enumerates the buckets
+    t0 = calibrate(smol, buckets=[], **kw)
+    work = work_dir_for(out)
+    assert t0.calibration["this_call"]["control_batches"] == 1
+    plan = json.loads((work / "buckets.json").read_text())
+    names = [b["bucket"] for b in plan["buckets"]]
+    assert names == [] and plan["cases"] == 2
+    assert abs(sum(it["share"] for it in plan["items"]) + plan["window_share"] + plan["unmeasured_share"] - 1) < 1e-9
+    pick = [f"{next(it['name'] for it in plan['items'] if it['stage'] == s)}|g{g}" for s, g in (("P", 0), ("D", 3))]
+
+    # 2. two buckets: control reused, 2 x 2 candidates measured for V and D
+    table = calibrate(smol, buckets=pick, progress=lambda *e: events.append(e), **kw)
+    this = table.calibration["this_call"]
+    assert this == {**this, "control_batches": 0, "sensitivity_candidates": 4, "distortion_candidates": 4}
+    assert {e[0] for e in events} == {"control", "sensitivity", "distortion"}
+    for f in ("control/cases.jsonl", "control/capture-0000.pt", "control/batches.json", "buckets.json"):
+        assert (work / f).exists(), f
+    assert _lines(work / "sensitivity.jsonl") == 4 and _lines(work / "distortion.jsonl") == 4
+    assert len(list((work / "sensitivity").iterdir())) == 4
+    back = load(out, fingerprint=smol.fingerprint)
+    assert back.actions == table.actions and back.target_b == 0.33
+    measured = {b["bucket"] for b in back.calibration["buckets"]}
+    assert measured == set(pick)
+    assert all(k.endswith(("|g0", "|g3")) for k in back.actions)
+    for rec in map(json.loads, (work / "distortion.jsonl").read_text().splitlines()):
+        assert rec["d"] >= 0 and rec["steps"] > 0
+        g = int(rec["bucket"].rsplit("|g", 1)[1])
+        assert all(x == 0 for x in rec["d_per_group"][:g])  # earlier layers cannot see the probe
+    report = report_path_for(out).read_text()
+    assert "Table 15 layout" in report and "Table 16 layout" in report and "Mismatch 20,50" in report
+
+    # 3. rerun: nothing recomputed
+    again = calibrate(smol, buckets=pick, **kw)
+    this = again.calibration["this_call"]
+    assert (this["control_batches"], this["sensitivity_candidates"], this["distortion_candidates"]) == (0, 0, 0)
+    assert _lines(work / "sensitivity.jsonl") == 4 and _lines(work / "distortion.jsonl") == 4
+    assert again.actions == table.actions
+
+
+@pytest.mark.slow
+def test_all_h_replay_reproduces_the_control_captures(smol, tmp_path):
+    """Teacher-forced replay on the tiered cache = the control's forward passes (D of all-H is 0)."""
+    from pask.calibration.control import all_h_policy, run_control
+    from pask.calibration.distortion import DistortionSum, forced_capture
+    from pask.tasks.function_calling import load_cases
+
+    torch.set_num_threads(1)
+    cases = load_cases(["simple"], split="calibration", limit=2)
+    ctrl = run_control(smol, cases, tmp_path, batch_size=2, max_new_tokens=16)
+    (batch,) = ctrl.batches
+    rows = [ctrl.by_id[i] for i in batch]
+    probe = forced_capture(
+        smol.model,
+        [ctrl.prompts[r.id] for r in rows],
+        [r.token_ids[: r.n_fed] for r in rows],
+        all_h_policy(smol.fingerprint, 4, 8),
+        [r.tags for r in rows],
+        [r.prompt_labels for r in rows],
+    )
+    full = ctrl.load_capture(batch)
+    acc = DistortionSum(smol.num_layers)
+    for r, p in zip(rows, probe, strict=True):
+        assert p.shape == full[r.id].shape == (r.n_fed, smol.num_layers, smol.model.config.hidden_size)
+        acc.add(p, full[r.id])
+    assert acc.result(0, 4)["d_all"] < 1e-6
