@@ -295,19 +295,27 @@ def bench_kv_cmd(
 
 
 def make_policy(name: str, budget: float | None, config: str | None = None):
-    """The policy object for a name; ``full`` without config is Full KV on DynamicCache (None)."""
+    """The policy object for a name; ``full`` is Full KV on DynamicCache (None).
+
+    Budget-controlled policies start from their tuned configuration (``pask/policies/configs.json``,
+    written by tuning on the dev split) at that budget; ``--policy-config`` overrides it.
+    """
     from pask.policies import get_policy
+    from pask.policies.tuning import tuned_config
 
     try:
-        kwargs = json.loads(config) if config else {}
+        user = json.loads(config) if config else {}
     except json.JSONDecodeError as e:
         raise PaskError(f"--policy-config is not valid JSON: {e}") from None
-    if not isinstance(kwargs, dict):
+    if not isinstance(user, dict):
         raise PaskError("--policy-config must be a JSON object")
-    if budget is not None:
-        kwargs["budget"] = budget
-    if name == "full" and not kwargs:
+    if name == "full":
+        if budget not in (None, 1.0) or user:
+            raise PaskError("policy 'full' keeps every token (B = 1) and takes no configuration")
         return None
+    kwargs = dict(user)
+    if budget is not None:
+        kwargs = {**tuned_config(name, budget), **user, "budget": budget}
     try:
         return get_policy(name, **kwargs)
     except TypeError as e:

@@ -20,6 +20,11 @@ Decode math (per sequence): ``q [Hq, D]`` is viewed as ``[Hkv, Hq/Hkv, D]`` (GQA
 K/V); the H tier and the INT4 tier (dequantised ``dequant_block`` tokens at a time) are merged
 with one FP32 online softmax (running max, running sum, running output). The scale is
 ``module.scaling``.
+
+Statistics: when the cache has a :class:`pask.kv.stats.StatsCollector` (a policy asked for
+attention statistics), the prefill also records them after SDPA, and a decode step that needs them
+runs :func:`pask.kv.stats.explicit_decode` (explicit FP32 scores, one softmax) instead of the fused
+path. Without a collector nothing changes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from pask.kv import stats
 from pask.kv.cache import TieredLayer, active_layer, attention_spec
 from pask.kv.errors import UnsupportedModelError
 from pask.kv.storage import _SeqStore
@@ -133,7 +139,11 @@ def pask_attention_forward(
     """AttentionInterface function for ``attn_implementation="pask"`` (output ``[B, q, Hq, D]``)."""
     layer = active_layer(key)
     if layer is None or layer.cache.mode == "prefill":
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        if layer is not None and (col := stats.collector_of(layer.cache)) is not None and col.request.prefill:
+            scale = scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
+            col.on_prefill(module, layer, query, key, value, scale)
+        return out
     if getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
         raise UnsupportedModelError(
             f"pask attention of layer {module.layer_idx} received the cache of layer {layer.layer_idx}"
@@ -141,8 +151,14 @@ def pask_attention_forward(
     scale = scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
     bsz, hq, qn, d = query.shape
     out = query.new_zeros(bsz, qn, hq, d)
+    col = stats.collector_of(layer.cache)
+    explicit = col is not None and col.request.step and qn == 1  # a policy asked for step statistics
     for b in range(bsz):
-        if layer.seqs[b] is not None:
+        if layer.seqs[b] is None:
+            continue
+        if explicit:
+            out[b] = col.decode(layer, b, query[b], scale)
+        else:
             out[b] = tiered_attention(layer, b, query[b], scale, qn)
     return out, None
 

@@ -3,7 +3,9 @@
 :class:`DenseSession` is Full KV on transformers' ``DynamicCache`` (left-padded batch with an
 attention mask). :class:`TieredSession` stores each row's tokens in a :class:`TieredCache` and
 applies a policy's actions: at prefill for prompt tokens outside the recent window, and after
-every step for tokens that just left it. A finished row is dropped (its bytes are freed) after
+every step for tokens that just left it. When the policy asks for attention statistics
+(:mod:`pask.kv.stats`), a collector attached to the cache records them during the forward and
+they reach the policy in its :class:`SeqContext`. A finished row is dropped (its bytes are freed) after
 its budget is recorded.
 """
 
@@ -12,8 +14,11 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from pask.kv import stats
 from pask.kv.attention import enable_pask_attention
+from pask.kv.budget import CostModel
 from pask.kv.cache import CacheConfig, TieredCache
+from pask.kv.stats import StatsCollector, StatsRequest
 from pask.policies.base import Policy, SeqContext
 
 
@@ -28,7 +33,7 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 class DenseSession:
-    """Full KV: one DynamicCache for the batch."""
+    """Full KV: one DynamicCache for the batch; finished rows are cut out of it (less compute)."""
 
     def __init__(self, model: torch.nn.Module, pad_id: int) -> None:
         self.model, self.pad_id = model, pad_id
@@ -36,6 +41,8 @@ class DenseSession:
 
     def prefill(self, requests) -> torch.Tensor:
         ids, self.mask, pos, _ = left_pad([r.prompt_ids for r in requests], self.pad_id)
+        self.rows = list(range(len(requests)))  # batch row -> request index
+        self.finished: set[int] = set()
         self.next_pos = pos[:, -1:] + 1
         out = self.model(
             input_ids=ids,
@@ -48,16 +55,25 @@ class DenseSession:
         return out.logits[:, -1]
 
     def step(self, last: list[int | None], tags) -> torch.Tensor:
-        feed = torch.tensor([[t if t is not None else self.pad_id] for t in last])
-        self.mask = torch.cat([self.mask, torch.ones((len(last), 1), dtype=self.mask.dtype)], dim=1)
+        keep = [i for i, r in enumerate(self.rows) if r not in self.finished]
+        if len(keep) < len(self.rows):  # drop finished rows from the cache, mask and positions
+            idx = torch.tensor(keep)
+            self.cache.batch_select_indices(idx)
+            self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
+            self.rows = [self.rows[i] for i in keep]
+        feed = torch.tensor([[last[r] if last[r] is not None else self.pad_id] for r in self.rows])
+        self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=self.mask.dtype)], dim=1)
         out = self.model(
             input_ids=feed, attention_mask=self.mask, position_ids=self.next_pos, cache=self.cache, use_cache=True
         )
         self.next_pos = self.next_pos + 1
-        return out.logits[:, -1]
+        logits = out.logits.new_zeros((len(last), out.logits.shape[-1]))
+        logits[torch.tensor(self.rows)] = out.logits[:, -1]
+        return logits
 
     def finish(self, row: int) -> None:
-        """Dense rows stay in the batch tensor until the batch ends."""
+        """The row leaves the batch at the next step."""
+        self.finished.add(row)
 
     def close(self) -> None:
         """Nothing to restore."""
@@ -86,13 +102,22 @@ class TieredSession:
         self.samples: list[list[float]] = [[] for _ in rows]
         self.final: dict[int, dict] = {}
         self.cache = TieredCache(self.model.config, self.config, batch_size=len(rows))
+        request = StatsRequest.of(self.policy)
+        self.stats = StatsCollector(request, self.cache.spec.num_layers, len(rows)) if request.any else None
+        stats.attach(self.cache, self.stats)
         ids, mask, pos, pads = left_pad(rows, 0)
         self.cache.begin_prefill(pads)
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1
         )
+        layer = self.cache.layers[0]
+        spec = self.cache.spec
+        self.int4_cost = CostModel(spec.head_dim, self.config.quant_group, layer.dtype or torch.bfloat16).int4_ratio
         for row in range(len(rows)):
-            self._decide(self.policy.prefill_actions, row, [])
+            extra = {}
+            if self.stats is not None:
+                extra["prefill_attention"], extra["prefill_value_norm"] = self.stats.take_prefill(row)
+            self._decide(self.policy.prefill_actions, row, [], extra)
         return out.logits[:, -1]
 
     def step(self, last: list[int | None], tags: list[list]) -> torch.Tensor:
@@ -101,15 +126,23 @@ class TieredSession:
             self.history[i].append(last[i])
         feed = torch.tensor([[t if t is not None else 0] for t in last])
         positions = torch.tensor([[self.cache.seq_length(i) if t is not None else 0] for i, t in enumerate(last)])
+        if self.stats is not None:
+            self.stats.begin_step()
         out = self.model(input_ids=feed, position_ids=positions, cache=self.cache, use_cache=True)
         for i in live:
-            self._decide(self.policy.step_actions, i, tags[i])
+            extra = {}
+            if self.stats is not None:
+                extra["step_attention"], extra["step_scores"] = self.stats.take_step(i)
+            self._decide(self.policy.step_actions, i, tags[i], extra)
             self.samples[i].append(self._row_budget(i)["b_total"])
         self.cache.sample_budget()
         return out.logits[:, -1]
 
-    def _decide(self, decide, row: int, tags: list) -> None:
-        """Ask the policy about the positions that left the recent window since the last call."""
+    def _decide(self, decide, row: int, tags: list, extra: dict | None = None) -> None:
+        """Ask the policy about the positions that left the recent window since the last call.
+
+        ``extra``: the statistics the policy asked for (SeqContext fields).
+        """
         cache, start = self.cache, self.decided[row]
         limit = max(0, cache.seq_length(row) - cache.config.recent_window)
         leaving = torch.arange(start, max(start, limit), dtype=torch.long)
@@ -123,6 +156,10 @@ class TieredSession:
             token_ids=self.history[row],
             tags=tags,
             prompt_labels=self.requests[row].prompt_labels,
+            groups=cache.groups,
+            int4_cost=self.int4_cost,
+            tier_fn=lambda: torch.stack([cache.tiers(row, g) for g in range(len(cache.groups))]),
+            **(extra or {}),
         )
         for group, positions, action in decide(ctx):
             cache.apply(row, group, positions, action)

@@ -1,4 +1,10 @@
-"""Retention policies and their registry."""
+"""Retention policies and their registry.
+
+``full`` and ``static_mix`` are references; the budget-controlled baselines (each takes a target
+measured budget ``budget`` in (0, 1] and meets it within about ``1 / (2n)``) are ``h2o``,
+``snapkv``, ``mikv``, ``rocketkv``, ``criticalkv``, ``lazyeviction`` and ``kivi-4`` (alias
+``kivi``). See :mod:`pask.policies._common` for the budget arithmetic shared by all of them.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,33 @@ from collections.abc import Callable
 
 from pask.errors import PaskError
 from pask.policies.base import ActionSpec, Policy, SeqContext
+from pask.policies.criticalkv import CriticalKVPolicy
 from pask.policies.full import FullPolicy
+from pask.policies.h2o import H2OPolicy
+from pask.policies.kivi import KIVIPolicy
+from pask.policies.lazyeviction import LazyEvictionPolicy
+from pask.policies.mikv import MiKVPolicy
+from pask.policies.pask import PaskPolicy, make_pask_policy
+from pask.policies.rocketkv import RocketKVPolicy
+from pask.policies.snapkv import SnapKVPolicy
 from pask.policies.static_mix import StaticMixPolicy
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {
     "full": FullPolicy,
     "static_mix": StaticMixPolicy,
+    "h2o": H2OPolicy,
+    "snapkv": SnapKVPolicy,
+    "mikv": MiKVPolicy,
+    "rocketkv": RocketKVPolicy,
+    "criticalkv": CriticalKVPolicy,
+    "lazyeviction": LazyEvictionPolicy,
+    "kivi-4": KIVIPolicy,
+    "pask": make_pask_policy,  # needs ``table`` (a FrozenTable or the path of a table file)
 }
+_ALIASES = {"kivi": "kivi-4"}
+
+#: The budget-controlled baselines (each takes ``budget``).
+BASELINES = ("h2o", "snapkv", "mikv", "rocketkv", "criticalkv", "lazyeviction", "kivi-4")
 
 
 def register_policy(name: str, factory: Callable[..., Policy]) -> None:
@@ -25,17 +51,30 @@ def policy_names() -> list[str]:
 
 
 def get_policy(name: str, **kwargs) -> Policy:
-    """Build the policy registered as ``name`` with ``kwargs``."""
+    """Build the policy registered as ``name`` with ``kwargs`` (unknown or missing keys: PaskError)."""
+    name = _ALIASES.get(name, name)
     if name not in _REGISTRY:
         raise PaskError(f"unknown policy '{name}'; known policies: {', '.join(policy_names())}")
-    return _REGISTRY[name](**kwargs)
+    try:
+        return _REGISTRY[name](**kwargs)
+    except TypeError as e:
+        raise PaskError(f"bad configuration for policy '{name}': {e}") from None
 
 
 __all__ = [
+    "BASELINES",
     "ActionSpec",
+    "CriticalKVPolicy",
     "FullPolicy",
+    "H2OPolicy",
+    "KIVIPolicy",
+    "LazyEvictionPolicy",
+    "MiKVPolicy",
+    "PaskPolicy",
     "Policy",
+    "RocketKVPolicy",
     "SeqContext",
+    "SnapKVPolicy",
     "StaticMixPolicy",
     "get_policy",
     "policy_names",

@@ -1,0 +1,117 @@
+"""MiKV: important tokens in full precision, the others kept in INT4 instead of evicted."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from pask.errors import PaskError
+from pask.kv.actions import Action
+from pask.kv.stats import ALL
+from pask.policies._common import (
+    REDUCES,
+    check_budget,
+    check_choice,
+    extend,
+    group_scores,
+    groups_of,
+    h_count,
+    need,
+)
+from pask.policies.base import ActionSpec, SeqContext
+
+H, L = int(Action.H), int(Action.L)
+
+
+@dataclass
+class MiKVPolicy:
+    """MiKV: No token left behind — reliable KV cache compression via importance-aware mixed precision
+    quantization (Yang et al., 2024, arXiv 2402.18096).
+
+    H2O-style importance (accumulated attention of every query seen, re-ranked after every decode
+    step) picks the tokens kept in full precision; every other token is kept in low precision (the
+    cache's INT4 tier: per-token asymmetric, group ``CacheConfig.quant_group`` along head_dim) instead
+    of being evicted. The high-precision count follows from the budget:
+    ``h + c · (n - h) = budget · n`` with ``c`` the INT4 cost (0.3125 for BF16), so the high-precision
+    ratio of Table 8 ({0.1, ..., 0.4}) is ``(budget - c) / (1 - c)``. A token once in INT4 stays there.
+
+    Parameters
+    ----------
+    budget : float
+        Target measured budget B in (0, 1].
+    bits : int, default=4
+        Low-precision width. Only 4: the cache has no INT2 tier (Table 8 also lists 2).
+    head_reduce : {"sum", "max", "mean"}, default="sum"
+        How the accumulated attention of the (layer, kv head) pairs of a layer group is combined.
+
+    Notes
+    -----
+    Deviations. (1) MiKV's key outlier balancing (per-channel scaling of keys before quantisation,
+    undone on the query) is not implemented: it would need a per (layer, kv head, channel) factor
+    applied to the query of the INT4 stream in both attention paths; the INT4 tier is plain
+    per-token group quantisation. (2) The group size is the cache's (``CacheConfig.quant_group``, 32
+    by default) for all tokens. (3) A target below what the recent window plus everything else in
+    INT4 costs (``c + (1 - c) · W / n``: below the INT4 cost, where MiKV would use 2 bits, or just
+    above it for short sequences) keeps the recent window in H, the most important remaining tokens
+    in INT4 and releases the least important ones, so that the budget holds. (4) One selection per
+    layer group.
+    """
+
+    budget: float
+    bits: int = 4
+    head_reduce: str = "sum"
+
+    name: ClassVar[str] = "mikv"
+    prefill_window: ClassVar[int] = ALL
+    step_attention: ClassVar[bool] = True
+    _acc: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.budget = check_budget(self.budget, self.name)
+        if self.bits != 4:
+            raise PaskError(f"{self.name}: bits must be 4 (the cache has an INT4 tier only), got {self.bits!r}")
+        check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
+
+    def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
+        if ctx.seq == 0:
+            self._acc.clear()
+        self._acc[ctx.seq] = need(ctx.prefill_attention, "prefill attention", self.name).clone()
+        return self._plan(ctx)
+
+    def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
+        step = need(ctx.step_attention, "step attention", self.name)
+        acc = extend(self._acc[ctx.seq], ctx.length)
+        acc[..., : ctx.length] += step
+        self._acc[ctx.seq] = acc
+        return self._plan(ctx)
+
+    def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
+        n, c = ctx.length, ctx.int4_cost
+        acc = self._acc[ctx.seq]
+        imp = group_scores(acc[..., :n], groups_of(ctx, acc.shape[0]), self.head_reduce)
+        tiers = ctx.tiers()
+        limit = max(0, n - ctx.recent_window)
+        window = n - limit
+        h_total = h_count(self.budget, n, c)
+        h_room = max(0, h_total - window)  # H tokens allowed outside the window
+        l_room = None  # INT4 tokens allowed outside the window when even all-INT4 would exceed the target
+        if h_total <= window and window + c * (n - window) > self.budget * n + 1e-9:
+            l_room = max(0, math.floor((self.budget * n - window) / c + 1e-9))
+        out: list[ActionSpec] = []
+        for g in range(tiers.shape[0]):
+            t = tiers[g, :limit]
+            cand = torch.nonzero(t != int(Action.R)).squeeze(1)
+            order = cand[torch.argsort(imp[g, cand], descending=True, stable=True)]
+            is_h = t[order] == H
+            keep_h = is_h & (torch.cumsum(is_h.long(), 0) <= h_room)  # the most important H tokens stay H
+            rest = order[~keep_h]
+            if l_room is not None and rest.numel() > l_room:
+                release, rest = rest[l_room:], rest[:l_room]
+                out.append((g, torch.sort(release).values, Action.R))
+            demote = rest[t[rest] == H]
+            if demote.numel():
+                out.append((g, torch.sort(demote).values, Action.L))
+        return out

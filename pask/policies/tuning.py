@@ -1,0 +1,151 @@
+"""Hyper-parameter search for the baselines over the Table 8 grids, resumable, on the dev split.
+
+:func:`tune` walks the Cartesian product of a grid in a fixed order, calls ``evaluate_fn`` for
+every configuration not yet in its JSONL log (one line per finished configuration, flushed as it
+finishes, so an interrupted search resumes where it stopped), picks the best score (ties: the
+first in grid order) and records it in ``configs.json`` as ``{policy: {budget: params}}``.
+:func:`tuned_config` reads it back.
+
+The grids use the policies' parameter names. Table 8 knobs without a counterpart here: MiKV's
+high-precision ratio (set by the budget: ``(B - c) / (1 - c)``), its 2-bit width and group sizes
+64/128 (the cache has one INT4 tier with the cache's group size), so MiKV has nothing to tune.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pask.errors import PaskError
+from pask.policies import get_policy
+
+CONFIGS_PATH = Path(__file__).with_name("configs.json")
+
+#: Table 8 of the paper, in the policies' parameter names.
+TABLE8_GRIDS: dict[str, dict[str, list]] = {
+    "h2o": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
+    "snapkv": {"window": [16, 32, 64, 128], "pooling": ["avg", "max"], "kernel": [3, 5, 7]},
+    "mikv": {},
+    "rocketkv": {"window": [16, 32, 64, 128], "kernel": [31, 63, 127], "prefill_ratio": [0.20, 0.25, 0.30, 0.35]},
+    "criticalkv": {
+        "first_stage_ratio": [0.25, 0.40, 0.50, 0.70],
+        "epsilon": [1e-5, 1e-4, 1e-3],
+        "window": [16, 32, 64],
+    },
+    "lazyeviction": {"window": [8, 16, 32, 64], "alpha": [1e-5, 1e-4, 3e-4, 1e-3]},
+    "kivi-4": {},
+}
+
+EvaluateFn = Callable[[str, float, dict], float | Mapping[str, Any]]
+
+
+def grid_configs(grid: Mapping[str, Sequence]) -> list[dict]:
+    """Every configuration of ``grid`` (keys in the given order, last key varying fastest)."""
+    keys = list(grid)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def _key(params: Mapping) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
+def budget_key(budget: float) -> str:
+    return f"{float(budget):g}"
+
+
+def _read_log(path: Path, policy: str, budget: float) -> dict[str, dict]:
+    done: dict[str, dict] = {}
+    if not path.exists():
+        return done
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):  # the last line, cut by an interruption: evaluate it again
+                continue
+            raise PaskError(f"{path}:{i}: not a JSON line") from None
+        if rec.get("policy") == policy and budget_key(rec.get("budget", -1)) == budget_key(budget):
+            done[_key(rec["params"])] = rec
+    return done
+
+
+def tune(
+    policy_name: str,
+    budget: float,
+    grid: Mapping[str, Sequence] | None,
+    evaluate_fn: EvaluateFn,
+    out_path: str | os.PathLike,
+    configs_path: str | os.PathLike = CONFIGS_PATH,
+) -> dict:
+    """Search ``grid`` for ``policy_name`` at ``budget``; return the chosen parameters.
+
+    Parameters
+    ----------
+    policy_name : str
+        A registered policy name.
+    budget : float
+        Target budget passed to every configuration.
+    grid : mapping of parameter name to candidate values, or None
+        None takes :data:`TABLE8_GRIDS` for the policy.
+    evaluate_fn : callable
+        ``evaluate_fn(policy_name, budget, params)`` -> score (higher is better), or a mapping
+        with a ``"score"`` entry (other entries, e.g. the measured B, are logged too). Run on the
+        dev split.
+    out_path : path
+        JSONL log of finished configurations; an existing log is resumed (its configurations are
+        not evaluated again).
+    configs_path : path
+        JSON file of chosen configurations, ``{policy: {budget: params}}``; other entries are kept.
+    """
+    if grid is None:
+        if policy_name not in TABLE8_GRIDS:
+            raise PaskError(f"no Table 8 grid for policy '{policy_name}'")
+        grid = TABLE8_GRIDS[policy_name]
+    configs = grid_configs(grid)
+    for params in configs:  # bad keys or values fail before any evaluation
+        get_policy(policy_name, budget=budget, **params)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = _read_log(out, policy_name, budget)
+    for params in configs:
+        if _key(params) in done:
+            continue
+        t0 = time.perf_counter()
+        result = evaluate_fn(policy_name, budget, dict(params))
+        rec = dict(result) if isinstance(result, Mapping) else {"score": result}
+        if "score" not in rec:
+            raise PaskError("evaluate_fn must return a score or a mapping with a 'score' entry")
+        rec = {"policy": policy_name, "budget": budget, "params": params, **rec}
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        with out.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        done[_key(params)] = rec
+    best = max(configs, key=lambda p: (float(done[_key(p)]["score"]), -configs.index(p)))
+    _write_choice(Path(configs_path), policy_name, budget, best)
+    return best
+
+
+def _write_choice(path: Path, policy: str, budget: float, params: dict) -> None:
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.setdefault(policy, {})[budget_key(budget)] = params
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def tuned_config(policy: str, budget: float, configs_path: str | os.PathLike = CONFIGS_PATH) -> dict:
+    """The tuned parameters of ``policy`` at ``budget`` (``{}`` when none were recorded)."""
+    path = Path(configs_path)
+    if not path.exists():
+        return {}
+    return dict(json.loads(path.read_text()).get(policy, {}).get(budget_key(budget), {}))
