@@ -28,6 +28,7 @@ class Request:
     constraint: Constraint | None = None
     max_new_tokens: int = 256
     parse: Callable[[str], Any] | None = None  # task parser for the final text
+    close_margin: int = 64  # last tokens of the allowance spent closing the structure (see _closers)
     tagger: Any = None  # structural tagger: ``step(token_bytes) -> Tag`` (JsonCallTagger, SqlTagger)
     prompt_labels: list | None = None  # semantic label per prompt token (for policies and --save-tags)
 
@@ -59,9 +60,10 @@ def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config
     eos = set(eos_ids(tok))
     token_bytes = ll_tokenizer(tok, sorted(eos)).decode_bytes
     kv = DenseSession(model, tok.pad_token_id) if policy is None else TieredSession(model, policy, cache_config)
+    closers = _closers(tok, eos)
 
     try:
-        generated, tags, stop, prefill_ms, tpot_ms = _decode(kv, requests, eos, token_bytes)
+        generated, tags, stop, prefill_ms, tpot_ms = _decode(kv, requests, eos, token_bytes, closers)
     finally:
         kv.close()
     results = []
@@ -81,7 +83,7 @@ def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config
     return results
 
 
-def _decode(kv, requests: list[Request], eos: set[int], token_bytes) -> tuple:
+def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: torch.Tensor) -> tuple:
     """Prefill, then one token per live row per step until every row has stopped."""
     b = len(requests)
     t0 = time.perf_counter()
@@ -102,6 +104,12 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes) -> tuple:
                 bitmask[i].fill_(-1)
         apply_mask(logits, bitmask)
         nxt = logits.argmax(-1).tolist()
+        for i, r in enumerate(requests):  # near the token limit: close the structure, don't truncate
+            closing = len(generated[i]) >= r.max_new_tokens - r.close_margin
+            if stop[i] is None and r.constraint is not None and closing:
+                legal = torch.isfinite(logits[i, closers]).nonzero()
+                if legal.numel():
+                    nxt[i] = int(closers[legal[0, 0]])
         for i, r in enumerate(requests):
             if stop[i] is not None:
                 continue
@@ -126,6 +134,28 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes) -> tuple:
         steps += 1
     tpot_ms = (time.perf_counter() - t1) * 1e3 / max(steps, 1)
     return generated, tags, stop, prefill_ms, tpot_ms
+
+
+# Closing tokens, most closing first (after EOS and the call-closing marker).
+CLOSER_TEXTS = ("\n", '"}}', "]}}", '"}', "]}", "}}", '"]', '"', "]", "}")
+
+
+def _closers(tok, eos: set[int]) -> torch.Tensor:
+    """Tokens that end a value or a structure (plus EOS and the call-closing marker).
+
+    A request that reaches ``max_new_tokens - close_margin`` takes the first legal one in this
+    order (the grammar mask still applies): a small model stuck repeating inside one value
+    (endless digits, list items, a string) then finishes a valid call instead of being cut off.
+    """
+    ids = sorted(eos)
+    close = tok.convert_tokens_to_ids("</tool_call>")
+    if isinstance(close, int) and close != tok.unk_token_id:
+        ids.append(close)
+    for text in CLOSER_TEXTS:
+        enc = tok(text, add_special_tokens=False)["input_ids"]
+        if len(enc) == 1 and enc[0] not in ids:
+            ids.append(enc[0])
+    return torch.tensor(ids)
 
 
 def eos_ids(tok) -> list[int]:

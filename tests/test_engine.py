@@ -65,3 +65,19 @@ def test_policy_run_reports_measured_budget_and_keeps_grammar(smol):
         if g.stop_reason != "length":
             assert schema_valid(c, g.text) is None
     assert smol.model.config._attn_implementation == "sdpa"  # restored after the batch
+
+
+def test_requests_close_their_structure_before_the_token_limit(smol):
+    """Near max_new_tokens the engine picks legal closing tokens: outputs parse instead of being cut."""
+    from pask.evaluation.run_bfcl import prepare, schema_valid
+    from pask.tasks.function_calling import load_cases
+
+    cases = load_cases(["simple", "parallel"], split="test", limit=2)
+    reqs = []
+    for c in cases:
+        req = prepare(smol, c, 64)[0]
+        req.close_margin = 40  # force the closing phase early
+        reqs.append(req)
+    for c, g in zip(cases, generate(smol, reqs), strict=True):
+        assert g.stop_reason in {"eos", "grammar"}, g.text
+        assert schema_valid(c, g.text) is None, g.text
