@@ -28,7 +28,7 @@ class Request:
     constraint: Constraint | None = None
     max_new_tokens: int = 256
     parse: Callable[[str], Any] | None = None  # task parser for the final text
-    close_margin: int = 64  # last tokens of the allowance spent closing the structure (see _closers)
+    close_margin: int = 128  # last tokens of the allowance spent closing the structure (see _closers)
     tagger: Any = None  # structural tagger: ``step(token_bytes) -> Tag`` (JsonCallTagger, SqlTagger)
     prompt_labels: list | None = None  # semantic label per prompt token (for policies and --save-tags)
 
