@@ -136,8 +136,9 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: to
     return generated, tags, stop, prefill_ms, tpot_ms
 
 
-# Closing tokens, most closing first (after EOS and the call-closing marker).
-CLOSER_TEXTS = ("\n", '"}}', "]}}", '"}', "]}", "}}", '"]', '"', "]", "}")
+# Closing tokens in the order tried (after EOS and the call-closing marker): quote-first ones
+# before bare brackets, so an open string is closed rather than filled with bracket text.
+CLOSER_TEXTS = ("\n", '"}}', '"}', '"]', '"', "]}}", "]}", "}}", "]", "}")
 
 
 def _closers(tok, eos: set[int]) -> torch.Tensor:
