@@ -170,3 +170,18 @@ def extend(x: torch.Tensor | None, n: int, fill: float = 0.0) -> torch.Tensor:
     out = torch.full((*x.shape[:-1], cap), fill, dtype=x.dtype)
     out[..., : x.shape[-1]] = x
     return out
+
+
+def start_accumulation(store: dict, ctx: SeqContext, policy: str) -> None:
+    """H2O-style importance: a sequence's accumulated attention starts from its prefill column sums."""
+    if ctx.seq == 0:
+        store.clear()
+    store[ctx.seq] = need(ctx.prefill_attention, "prefill attention", policy).clone()
+
+
+def accumulate_step(store: dict, ctx: SeqContext, policy: str) -> None:
+    """Add the newest decode query's attention to the sequence's accumulated attention."""
+    step = need(ctx.step_attention, "step attention", policy)
+    acc = extend(store[ctx.seq], ctx.length)
+    acc[..., : ctx.length] += step
+    store[ctx.seq] = acc

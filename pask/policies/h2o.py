@@ -11,15 +11,15 @@ from pask.kv.stats import ALL
 from pask.policies._common import (
     BIG,
     REDUCES,
+    accumulate_step,
     check_budget,
     check_choice,
     check_int,
-    extend,
     group_scores,
     groups_of,
     keep_count,
-    need,
     release_to_count,
+    start_accumulation,
 )
 from pask.policies.base import ActionSpec, SeqContext
 
@@ -71,16 +71,11 @@ class H2OPolicy:
         check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
 
     def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        if ctx.seq == 0:
-            self._acc.clear()
-        self._acc[ctx.seq] = need(ctx.prefill_attention, "prefill attention", self.name).clone()
+        start_accumulation(self._acc, ctx, self.name)
         return self._plan(ctx)
 
     def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        step = need(ctx.step_attention, "step attention", self.name)
-        acc = extend(self._acc[ctx.seq], ctx.length)
-        acc[..., : ctx.length] += step
-        self._acc[ctx.seq] = acc
+        accumulate_step(self._acc, ctx, self.name)
         return self._plan(ctx)
 
     def priority(self, acc: torch.Tensor, ctx: SeqContext) -> torch.Tensor:

@@ -13,13 +13,13 @@ from pask.kv.actions import Action
 from pask.kv.stats import ALL
 from pask.policies._common import (
     REDUCES,
+    accumulate_step,
     check_budget,
     check_choice,
-    extend,
     group_scores,
     groups_of,
     h_count,
-    need,
+    start_accumulation,
 )
 from pask.policies.base import ActionSpec, SeqContext
 
@@ -76,16 +76,11 @@ class MiKVPolicy:
         check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
 
     def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        if ctx.seq == 0:
-            self._acc.clear()
-        self._acc[ctx.seq] = need(ctx.prefill_attention, "prefill attention", self.name).clone()
+        start_accumulation(self._acc, ctx, self.name)
         return self._plan(ctx)
 
     def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        step = need(ctx.step_attention, "step attention", self.name)
-        acc = extend(self._acc[ctx.seq], ctx.length)
-        acc[..., : ctx.length] += step
-        self._acc[ctx.seq] = acc
+        accumulate_step(self._acc, ctx, self.name)
         return self._plan(ctx)
 
     def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
