@@ -19,21 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pask.calibration.table import FrozenTable
-from pask.evaluation.run_bfcl import run_bfcl
+from pask.evaluation.run_bfcl import read_done, run_bfcl
 from pask.policies.pask import PaskPolicy
 
 
 def read_records(path: Path) -> dict[tuple[str, str], dict]:
     """Finished candidates of a JSONL file, by (bucket, action); a torn last line is ignored."""
-    done: dict[tuple[str, str], dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done[(rec["bucket"], rec["action"])] = rec
-    return done
+    return read_done(path, key=lambda rec: (rec["bucket"], rec["action"]))
 
 
 def slug(bucket: str, action: str) -> str:

@@ -109,16 +109,16 @@ def score(case: FunctionCase, gen: Generation, req: Request | None = None, save_
     )
 
 
-def read_done(path: Path) -> dict[str, dict]:
-    """Finished cases of a previous (interrupted) run; a torn last line is ignored."""
-    done: dict[str, dict] = {}
+def read_done(path: Path, key: Callable[[dict], object] = lambda row: row["id"]) -> dict:
+    """Finished records of a resumable JSONL file by ``key`` (case id by default); a torn last line is ignored."""
+    done: dict = {}
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            done[row["id"]] = row
+            done[key(row)] = row
     return done
 
 
