@@ -229,6 +229,15 @@ def calibrate(
         "pask-table.json"
     ),
     limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
+    categories: Annotated[str, typer.Option(help="comma-separated non-live categories")] = (
+        "simple,multiple,parallel,parallel_multiple"
+    ),
+    pool_groups: Annotated[
+        bool, typer.Option(help="probe each item in all layer groups at once (G x fewer runs; see report)")
+    ] = False,
+    distortion_batches: Annotated[
+        int | None, typer.Option(help="replay only N control batches (evenly spaced) for Runtime-D")
+    ] = None,
     batch_size: int = 8,
     dtype: str = "bf16",
     threads: int | None = None,
@@ -247,7 +256,21 @@ def calibrate(
                 tasks[phase] = bar.add_task(phase, total=total)
             bar.update(tasks[phase], advance=advance, total=total)
 
-        table = calibrate_command(model, task, split, budget, out, limit, batch_size, _dtype(dtype), progress)
+        cats = [c.strip() for c in categories.split(",") if c.strip()]
+        table = calibrate_command(
+            model,
+            task,
+            split,
+            budget,
+            out,
+            limit,
+            batch_size,
+            _dtype(dtype),
+            progress,
+            categories=cats,
+            pool_groups=pool_groups,
+            distortion_batches=distortion_batches,
+        )
     console.print(f"table: {out} (expected B {table.expected_b:.3f}); report: {report_path_for(out)}")
 
 
@@ -292,6 +315,284 @@ def bench_kv_cmd(
         )
         table.append("| " + " | ".join(cells) + " |")
     print("\n".join(table))
+
+
+@app.command()
+@user_errors
+def tune(
+    policy: Annotated[str, typer.Option(help="baseline to tune (h2o, snapkv, rocketkv, criticalkv, lazyeviction)")],
+    budget: Annotated[float, typer.Option(help="target total KV budget B in (0, 1]")] = 0.33,
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    split: Annotated[str, typer.Option(help="tuning split: dev (never test or live)")] = "dev",
+    categories: Annotated[str, typer.Option(help="comma-separated non-live BFCL categories")] = (
+        "simple,multiple,parallel,parallel_multiple"
+    ),
+    limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
+    search: Annotated[str, typer.Option(help="grid (Table 8 product) or coordinate (one knob at a time)")] = "grid",
+    batch_size: int = 8,
+    max_new_tokens: int = 384,
+    out: Annotated[Path | None, typer.Option(help="work dir: tuning log + one run dir per configuration")] = None,
+    configs: Annotated[Path | None, typer.Option(help="file of chosen configurations")] = None,
+    dtype: str = "bf16",
+    threads: int | None = None,
+) -> None:
+    """Search a baseline's Table 8 grid on the dev split (resumable); record the best configuration."""
+    from pask.evaluation.run_bfcl import run_bfcl
+    from pask.models import load_model
+    from pask.policies import get_policy
+    from pask.policies.tuning import CONFIGS_PATH, TABLE8_GRIDS
+    from pask.policies.tuning import tune as run_tune
+    from pask.tasks.function_calling import LIVE, load_cases
+
+    if not 0 < budget <= 1:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if split == "test":
+        raise PaskError("tuning on the test split would leak it: use --split dev")
+    if search not in ("grid", "coordinate"):
+        raise PaskError(f"unknown search '{search}': choose grid or coordinate")
+    cats = [c.strip() for c in categories.split(",") if c.strip()]
+    if live := [c for c in cats if c in LIVE]:
+        raise PaskError(f"live categories {live} are evaluation-only: never tune on them")
+    get_policy(policy, budget=budget)  # unknown policy: clear error before the model loads
+    if policy not in TABLE8_GRIDS:
+        raise PaskError(f"no Table 8 grid for policy '{policy}'; tunable: {', '.join(sorted(TABLE8_GRIDS))}")
+    cases = load_cases(cats, split=split, limit=limit)
+    if not cases:
+        raise PaskError(f"no cases for categories {cats} in split '{split}'")
+    out = out or Path("runs") / f"tune-{model.replace('/', '_')}-{policy}-b{budget:g}"
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+
+    def evaluate(name: str, b: float, params: dict) -> dict:
+        tag = "-".join(f"{k}={v}" for k, v in sorted(params.items())) or "default"
+        run_dir = out / tag
+        meta = {"model": lm.name, "policy": name, "budget": b, "split": split, "params": params}
+        with progress_bar() as bar:
+            task = bar.add_task(f"{name} {tag}", total=len(cases))
+            s = run_bfcl(
+                lm,
+                cases,
+                run_dir,
+                batch_size,
+                max_new_tokens,
+                get_policy(name, budget=b, **params),
+                lambda n: bar.advance(task, n),
+                meta,
+            )
+        return {"score": s["overall"]["accuracy"], "measured_b": s["measured_b"], "n": s["overall"]["n"]}
+
+    best = run_tune(policy, budget, None, evaluate, out / "tuning.jsonl", configs or CONFIGS_PATH, search)
+    console.print(f"{policy} at B={budget:g}: chosen {best} -> {configs or CONFIGS_PATH}")
+
+
+@eval_app.command("sql")
+@user_errors
+def eval_sql(
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    policy: Annotated[str, typer.Option(help="KV policy")] = "full",
+    budget: Annotated[float | None, typer.Option(help="target total KV budget B in (0, 1]")] = None,
+    split: Annotated[str, typer.Option(help="calibration | dev | test (database-disjoint)")] = "test",
+    limit: Annotated[int | None, typer.Option(help="at most N cases (the split's first N)")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="dir with dev.json, tables.json, database/<db_id>/<db_id>.sqlite")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="requests decoded together")] = 8,
+    max_new_tokens: int = 256,
+    out: Annotated[Path | None, typer.Option(help="output dir (resumes if it has results)")] = None,
+    dtype: str = "bf16",
+    threads: int | None = None,
+    save_tags: Annotated[bool, typer.Option(help="store per-token tags and prompt labels")] = False,
+    policy_config: Annotated[str | None, typer.Option(help="policy parameters as JSON")] = None,
+    table: Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")] = None,
+    allow_transfer: Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")] = False,
+) -> None:
+    """Text-to-SQL (Spider dev) by execution accuracy; writes cases.jsonl, summary.json, summary.md (Table 12)."""
+    from pask.evaluation.run_sql import run_sql, select_cases, table_markdown
+    from pask.models import load_model
+
+    cases = select_cases(split, limit, data_dir)  # checks the data and every database before the model loads
+    if not cases:
+        raise PaskError(f"no text-to-SQL cases in split '{split}'")
+    if budget is not None and not 0 < budget <= 1:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if policy == "pask" and table is None:
+        raise PaskError("--policy pask needs --table FILE (made by `pask calibrate --task sql`)")
+    kv_policy = None if policy == "pask" else make_policy(policy, budget, policy_config)
+    out = out or Path("runs") / f"sql-{model.replace('/', '_')}-{policy}-{split}"
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+    if policy == "pask":
+        from pask.policies.pask import make_pask_policy
+
+        kv_policy = make_pask_policy(table, budget, fingerprint=lm.fingerprint, allow_transfer=allow_transfer)
+        if kv_policy.table.task != "sql":
+            raise PaskError(f"{table} was calibrated for task '{kv_policy.table.task}', not 'sql'")
+    meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "limit": limit}
+    if data_dir is not None:
+        meta["data_dir"] = str(data_dir)
+    meta["command"] = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with progress_bar() as bar:
+        task = bar.add_task(f"sql {policy}", total=len(cases))
+        advance = lambda n: bar.advance(task, n)  # noqa: E731
+        summary = run_sql(lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags, data_dir)
+    print(table_markdown(summary, meta))
+    console.print(f"results: {out}/")
+
+
+@app.command()
+@user_errors
+def sweep(
+    config: Annotated[Path, typer.Option(help="sweep config (TOML): models x tasks x policies x budgets x splits")],
+    ray: Annotated[
+        str | None, typer.Option(help="run cells as Ray tasks: local (start Ray here), auto or a cluster ADDRESS")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="delete and rerun cells made by another code version or config")] = False,
+    results: Annotated[Path | None, typer.Option(help="results directory (overrides the config's results_dir)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch threads per process (overrides the config)")] = None,
+    shard_size: Annotated[int | None, typer.Option(help="cases per Ray task (default: spread over the CPUs)")] = None,
+    dry_run: Annotated[bool, typer.Option(help="list the cells and what a run would do; run nothing")] = False,
+) -> None:
+    """Run an evaluation sweep: resumable cells, one progress bar, per-cell timing in sweep.json."""
+    from pask.sweep import code_version, load_config, plan, run_sweep
+
+    cfg = load_config(config, results_dir=results, threads=threads)
+    if dry_run:
+        for p in plan(cfg, code_version(), overwrite=force, dry_run=True):
+            print(f"{p.state:7s} {p.n_done:5d}/{len(p.cases):<5d} {p.dir}")
+        return
+    with progress_bar() as bar:
+        task = bar.add_task("sweep", total=None)
+
+        def progress(done: int, total: int, cell: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"sweep {cell}".rstrip())
+
+        record = run_sweep(cfg, overwrite=force, progress=progress, ray_address=ray, shard_size=shard_size)
+    lines = ["| cell | state | n | run now | wall s | accuracy | B |", "|---|---|---:|---:|---:|---:|---:|"]
+    for name, c in record["cells"].items():
+        acc = "–" if c.get("accuracy") is None else f"{c['accuracy']:.2f}"
+        b = "–" if c.get("measured_b") is None else f"{c['measured_b']:.3f}"
+        run_now, wall = c.get("cases_run", 0), c.get("wall_s", 0.0)
+        lines.append(f"| {name} | {c['state']} | {c['n']} | {run_now} | {wall:.1f} | {acc} | {b} |")
+    print("\n".join(lines))
+    console.print(f"results: {cfg.results_dir}/ (record: sweep.json); tables, plots: `pask report {cfg.results_dir}`")
+
+
+@app.command()
+@user_errors
+def report(
+    results_dir: Annotated[Path, typer.Argument(help="results directory (as written by `pask sweep`)")],
+    out: Annotated[Path | None, typer.Option(help="output directory (default RESULTS_DIR/report)")] = None,
+    table: Annotated[
+        list[Path] | None, typer.Option(help="calibration table file for the Figure 9 scatter (repeatable)")
+    ] = None,
+    bars_budget: Annotated[float, typer.Option(help="target budget of the per-category bar plot")] = 0.33,
+) -> None:
+    """Paper-style tables (markdown), a CSV of every cell and PNG plots of a results directory."""
+    from pask.report import write_report
+
+    rep = write_report(results_dir, out, table or [], bars_budget)
+    print(rep.markdown.read_text(), end="")
+    console.print(f"report: {rep.markdown}; csv: {rep.csv}; plots: {', '.join(p.path.name for p in rep.plots)}")
+
+
+def serving_policy_factory(
+    name: str,
+    budget: float | None,
+    config: str | None = None,
+    table: Path | None = None,
+    fingerprint: str | None = None,
+    allow_transfer: bool = False,
+):
+    """A callable building one policy instance per served request (``full``: FullPolicy, all H).
+
+    Built once here so that a bad name, budget, configuration or table fails before serving.
+    """
+    from pask.policies import FullPolicy
+
+    if name == "pask":
+        from pask.calibration.table import load
+        from pask.policies.pask import make_pask_policy
+
+        if table is None:
+            raise PaskError("--policy pask needs --table FILE (made by `pask calibrate`)")
+        frozen = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)
+        make_pask_policy(frozen, budget)
+        return lambda: make_pask_policy(frozen, budget)
+    if make_policy(name, budget, config) is None:
+        return FullPolicy
+    return lambda: make_policy(name, budget, config)
+
+
+@app.command()
+@user_errors
+def serve(
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    policy: Annotated[str, typer.Option(help="KV policy (full, pask, snapkv, h2o, ...)")] = "full",
+    budget: Annotated[float | None, typer.Option(help="target total KV budget B in (0, 1]")] = None,
+    port: int = 8000,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    table: Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")] = None,
+    capacity_tokens: Annotated[int | None, typer.Option(help="logical KV capacity in Full-KV tokens")] = None,
+    max_batch: Annotated[int | None, typer.Option(help="at most N requests decoding together")] = None,
+    max_tokens: Annotated[int, typer.Option(help="default max_tokens of a request")] = 256,
+    policy_config: Annotated[str | None, typer.Option(help="policy parameters as JSON")] = None,
+    allow_transfer: Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")] = False,
+    dtype: str = "bf16",
+    threads: int | None = None,
+) -> None:
+    """OpenAI-compatible server (/v1/chat/completions, /v1/models, /health, /metrics) with continuous batching."""
+    from pask.models import load_model
+    from pask.serving.server import Service
+    from pask.serving.server import serve as run_server
+
+    if budget is not None and not 0 < budget <= 1:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if capacity_tokens is not None and capacity_tokens < 1:
+        raise PaskError(f"--capacity-tokens must be >= 1, got {capacity_tokens}")
+    if policy != "pask":
+        serving_policy_factory(policy, budget, policy_config)  # fail before the model loads
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+    factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)
+    service = Service.build(lm, factory, capacity_tokens, max_batch=max_batch, default_max_tokens=max_tokens)
+    console.print(f"serving {lm.name} with policy {policy} on http://{host}:{port}/v1")
+    run_server(service, host, port)
+
+
+@bench_app.command("serve")
+@user_errors
+def bench_serve_cmd(
+    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    policies: Annotated[str, typer.Option(help="comma-separated policies; full is the reference")] = "full,pask,snapkv",
+    budget: Annotated[float, typer.Option(help="target KV budget B of the compressing policies")] = 0.33,
+    concurrency: int = 8,
+    input_len: int = 8192,
+    output_len: int = 256,
+    requests_per_client: Annotated[int, typer.Option(help="requests each client sends")] = 2,
+    capacity_tokens: Annotated[int | None, typer.Option(help="logical KV capacity in Full-KV tokens")] = None,
+    max_seconds: Annotated[float, typer.Option(help="per policy: no new request after this")] = 3600.0,
+    table: Annotated[Path | None, typer.Option(help="frozen PASK table (for pask)")] = None,
+    out: Annotated[Path, typer.Option(help="result stem: writes .json and .md")] = Path("benchmarks/results/serving"),
+    dtype: str = "bf16",
+    threads: int | None = None,
+) -> None:
+    """Loopback load test: TPOT, throughput, peak KV bytes per policy vs Full KV, with the bandwidth-model limit."""
+    from pask.models import load_model
+    from pask.serving.bench import BenchConfig, bench_serve, markdown, write
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if "full" not in names:
+        names.insert(0, "full")
+    cfg = BenchConfig(concurrency, input_len, output_len, requests_per_client, capacity_tokens, max_seconds)
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+    factories = {
+        n: serving_policy_factory(n, None if n == "full" else budget, None, table, lm.fingerprint) for n in names
+    }
+    result = bench_serve(lm, factories, cfg, progress=lambda n: console.print(f"policy {n}..."))
+    json_path, _ = write(result, out)
+    print(markdown(result), end="")
+    console.print(f"results: {json_path}")
 
 
 def make_policy(name: str, budget: float | None, config: str | None = None):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# 2 threads (the CI machine's cores) unless the caller limits them, e.g. OMP_NUM_THREADS=1 beside a running eval
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
 @pytest.fixture(scope="session")

@@ -81,3 +81,22 @@ def test_mismatch_stats():
     assert (m["k"], m["recall"], m["mismatch"]) == (2, 0.0, 1.0)
     m = mismatch_stats(v, v)
     assert (m["recall"], m["mismatch"]) == (1.0, 0.0)
+
+
+def test_spaced_batches_for_distortion():
+    from pask.calibration.distortion import spaced
+
+    assert spaced([0, 1, 2], 1) == [1]  # the middle one, not the shortest prompts
+    assert spaced(list(range(10)), 3) == [1, 5, 8]
+    assert spaced([1, 2], None) == [1, 2] and spaced([1, 2], 5) == [1, 2]
+    with pytest.raises(ValueError):
+        spaced([1, 2], 0)
+
+
+def test_pooled_members_cover_every_group():
+    from pask.calibration.buckets import BucketPlan, Item
+
+    plan = BucketPlan([Item("D|fn", "D", ["fn"], 0.2)], [0.25] * 4, 8, 0.1, 0.0)
+    assert plan.pooled() == ["D|fn|all"]
+    assert plan.members("D|fn|all") == [f"D|fn|g{g}" for g in range(4)]
+    assert plan.members("D|fn|g2") == ["D|fn|g2"]

@@ -87,3 +87,24 @@ def test_all_h_replay_reproduces_the_control_captures(smol, tmp_path):
         assert p.shape == full[r.id].shape == (r.n_fed, smol.num_layers, smol.model.config.hidden_size)
         acc.add(p, full[r.id])
     assert acc.result(0, 4)["d_all"] < 1e-6
+
+
+@pytest.mark.slow
+def test_pooled_calibration_probes_each_item_once_in_every_group(smol, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "pooled.json"
+    kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=24)
+    calibrate(smol, buckets=[], **kw)
+    plan = json.loads((work_dir_for(out) / "buckets.json").read_text())
+    item = next(it["name"] for it in plan["items"] if it["stage"] == "D")
+    pick = [f"{item}|g1", f"{item}|g3"]
+    table = calibrate(smol, buckets=pick, pool_groups=True, **kw)
+    assert table.calibration["pool_groups"] is True
+    recs = [json.loads(x) for x in (work_dir_for(out) / "distortion.jsonl").read_text().splitlines()]
+    assert sorted((r["bucket"], r["action"]) for r in recs) == [(f"{item}|all", "L"), (f"{item}|all", "R")]
+    by = {b["bucket"]: b for b in table.calibration["buckets"]}
+    assert set(by) == set(pick)
+    r_rec = next(r for r in recs if r["action"] == "R")
+    assert by[pick[0]]["V"] == by[pick[1]]["V"]  # one pooled V per item
+    assert by[pick[0]]["D"]["R"] == r_rec["d_per_group"][1] and by[pick[1]]["D"]["R"] == r_rec["d_per_group"][3]
+    assert "Pooled calibration" in report_path_for(out).read_text()

@@ -110,3 +110,16 @@ def test_calibrate_refuses_test_split_and_bad_budget(tmp_path):
     assert res.exit_code == 2
     res = _run("calibrate", "--budget", "0", "--out", str(tmp_path / "t.json"))
     assert res.exit_code == 2 and "(0, 1]" in res.output
+
+
+def test_tune_bad_input():
+    res = _run("tune", "--policy", "h2o", "--split", "test")
+    assert res.exit_code == 2 and "leak" in res.output
+    res = _run("tune", "--policy", "h2o", "--categories", "live_simple")
+    assert res.exit_code == 2 and "evaluation-only" in res.output
+    res = _run("tune", "--policy", "magic")
+    assert res.exit_code == 2 and "unknown policy" in res.output
+    res = _run("tune", "--policy", "h2o", "--budget", "0")
+    assert res.exit_code == 2 and "(0, 1]" in res.output
+    res = _run("tune", "--policy", "h2o", "--search", "random", "--limit", "1")
+    assert res.exit_code == 2

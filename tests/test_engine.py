@@ -81,3 +81,15 @@ def test_requests_close_their_structure_before_the_token_limit(smol):
     for c, g in zip(cases, generate(smol, reqs), strict=True):
         assert g.stop_reason in {"eos", "grammar"}, g.text
         assert schema_valid(c, g.text) is None, g.text
+
+
+def test_resume_drops_a_torn_last_line(tmp_path):
+    from pask.evaluation.run_bfcl import read_done, repair_jsonl
+
+    path = tmp_path / "cases.jsonl"
+    path.write_text('{"id": "a"}\n{"id": "b", "out')  # killed mid-write
+    repair_jsonl(path)
+    with open(path, "a") as f:
+        f.write('{"id": "c"}\n')
+    assert list(read_done(path)) == ["a", "c"]
+    repair_jsonl(tmp_path / "missing.jsonl")  # nothing to repair

@@ -8,6 +8,7 @@ hand on a tiny fake sequence with hand-built attention statistics.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -457,3 +458,31 @@ def test_tune_walks_the_grid_resumes_and_records_the_choice(tmp_path):
     assert tuned_config("h2o", 0.33, configs) == best and tuned_config("h2o", 0.5, configs) == {}
     with pytest.raises(PaskError, match="bad configuration"):
         tune("h2o", 0.33, {"sinks": [1]}, evaluate, log, configs)
+
+
+def test_coordinate_search_varies_one_knob_at_a_time(tmp_path):
+    from pask.policies.tuning import TABLE8_GRIDS, coordinate_configs, policy_defaults, tune
+
+    grid = TABLE8_GRIDS["snapkv"]
+    base = policy_defaults("snapkv", list(grid))
+    assert base == {"window": 32, "pooling": "avg", "kernel": 5}
+    cfgs = coordinate_configs(grid, base)
+    assert cfgs[0] == base and len(cfgs) == 4 + 2 + 3 - 2  # base + the other values of each knob
+    assert len({json.dumps(c, sort_keys=True) for c in cfgs}) == len(cfgs)
+    for c in cfgs[1:]:  # each differs from the base in exactly one knob
+        assert sum(c[k] != base[k] for k in grid) == 1
+    with pytest.raises(PaskError, match="base value"):
+        coordinate_configs({"window": [1]}, {})
+    seen = []
+    best = tune(
+        "snapkv",
+        0.33,
+        None,
+        lambda n, b, p: seen.append(p) or float(p["window"]),
+        tmp_path / "log.jsonl",
+        tmp_path / "c.json",
+        search="coordinate",
+    )
+    assert seen == cfgs and best["window"] == 128
+    with pytest.raises(PaskError, match="unknown search"):
+        tune("snapkv", 0.33, None, lambda *a: 0.0, tmp_path / "l2.jsonl", tmp_path / "c.json", search="random")

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pask.kv.cache import layer_groups
 
 RARE = "rare"
+POOLED = "all"  # probe suffix: an item in every layer group at once (pooled calibration)
 
 
 @dataclass
@@ -108,12 +109,18 @@ class BucketPlan:
         return out
 
     def members(self, bucket: str) -> list[str]:
-        """Table keys (``str(Bucket)``) a measured bucket stands for."""
+        """Table keys (``str(Bucket)``) a measured bucket stands for; ``<item>|all``: every group's."""
         head, _, g = bucket.rpartition("|")
+        groups = [f"g{i}" for i in range(self.num_groups)] if g == POOLED else [g]
         for it in self.items:
             if it.name == head:
-                return [f"{it.stage}|{m}|{g}" for m in it.members]
+                return [f"{it.stage}|{m}|{gg}" for gg in groups for m in it.members]
         raise KeyError(f"unknown bucket {bucket}")
+
+    def pooled(self) -> list[str]:
+        """``<item>|all`` probe names: one per measured item, all layer groups at once."""
+        names = {n.rpartition("|")[0] for n, *_ in self.buckets()}
+        return [f"{it.name}|{POOLED}" for it in self.items if it.name in names]
 
     def measured_share(self) -> float:
         return sum(w for *_, w in self.buckets())

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pask.calibration.buckets import BucketPlan, plan_buckets
+from pask.calibration.buckets import POOLED, BucketPlan, plan_buckets
 from pask.calibration.control import run_control
 from pask.calibration.distortion import run_distortion
 from pask.calibration.sensitivity import probe_policy, run_sensitivity
@@ -82,6 +82,8 @@ def calibrate(
     min_share: float = 0.01,
     buckets: list[str] | None = None,
     distortion: bool = True,
+    pool_groups: bool = False,
+    distortion_batches: int | None = None,
 ) -> FrozenTable:
     """Calibrate a PASK table for ``lm`` on ``task``/``split`` under total budget ``budget``; see the module doc.
 
@@ -89,6 +91,13 @@ def calibrate(
     others get the default action H; for quick checks). ``distortion=False`` skips Runtime-D (every
     D is then unknown = +inf: only upgrades straight to H have a gain, all infinite, taken in bucket
     name order while they fit).
+
+    ``pool_groups``: the shrunk calibration for small machines. Each item is probed once in every
+    layer group at the same time (``<item>|all``) instead of once per group: G times fewer runs.
+    Every bucket of the item then takes the pooled V (an upper estimate: harming one group's cache
+    harms the task at most as much as harming all of them) and the pooled replay's distortion in
+    its own group's layers (``d_per_group``, which also carries the upstream groups' change).
+    ``distortion_batches``: replay only that many control batches (evenly spaced) for D.
     """
     if not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
@@ -121,7 +130,8 @@ def calibrate(
     control = run_control(lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress)
     plan = plan_buckets(control.rows, lm.num_layers, num_groups, recent_window, min_share, buckets)
     (work / "buckets.json").write_text(json.dumps(plan.to_json(), indent=2) + "\n")
-    candidates = [(name, a) for name, *_ in plan.buckets() for a in ("L", "R")]
+    probes = plan.pooled() if pool_groups else [name for name, *_ in plan.buckets()]
+    candidates = [(name, a) for name in probes for a in ("L", "R")]
 
     v_recs, v_run = run_sensitivity(lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress)
     d_recs, d_run = {}, 0
@@ -135,17 +145,25 @@ def calibrate(
             lambda b, a: probe_policy(plan, b, a, lm.fingerprint, recent_window),
             cache_config,
             progress,
+            distortion_batches,
         )
+
+    def probe_of(name: str) -> str:
+        return f"{name.rpartition('|')[0]}|{POOLED}" if pool_groups else name
+
+    def d_of(name: str, g: int, a: str) -> float:
+        rec = d_recs[(probe_of(name), a)]
+        return rec["d_per_group"][g] if pool_groups else rec["d"]
 
     inputs = [
         BucketInput(
             name,
             it.stage,
             w,
-            v={a: v_recs[(name, a)]["v"] for a in ("L", "R") if (name, a) in v_recs},
-            d={a: d_recs[(name, a)]["d"] for a in ("L", "R") if (name, a) in d_recs},
+            v={a: v_recs[(probe_of(name), a)]["v"] for a in ("L", "R") if (probe_of(name), a) in v_recs},
+            d={a: d_of(name, g, a) for a in ("L", "R") if (probe_of(name), a) in d_recs},
         )
-        for name, it, _, w in plan.buckets()
+        for name, it, g, w in plan.buckets()
     ]
     default = "H"
     spec = attention_spec(lm.model.config, cache_config.quant_group)
@@ -163,6 +181,8 @@ def calibrate(
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "min_share": min_share,
+        "pool_groups": pool_groups,
+        "distortion_batches": distortion_batches,
         "l_cost": l_cost,
         "control_accuracy": control.accuracy,
         "control_wall_s": round(control.wall_s, 1),
@@ -295,13 +315,23 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
         f"{_s(_pct(d_times, 0.9) if d_times else None)} |",
         f"| Peak process memory (RSS, this call) | {peak_gib:.2f} GiB | |",
         f"| Full {n_cand}-candidate scan | {_h(sum(v_times))} | {_h(sum(d_times))} |",
-        "",
     ]
+    if meta.get("pool_groups"):
+        n_full = 2 * len(meta["buckets"])
+        est = [_h(n_full * statistics.median(t)) if t else "-" for t in (v_times, d_times)]
+        lines += [
+            f"| Unpooled {n_full}-candidate scan (estimated: median x candidates) | {est[0]} | {est[1]} |",
+            "",
+            f"Pooled calibration: each item probed in all {table.num_groups} layer groups at once "
+            f"({n_cand} candidates instead of {n_full}); every bucket takes its item's pooled V and the "
+            "pooled replay's distortion in its own group.",
+        ]
+    lines.append("")
     lines += ["## Sensitivity vs distortion (Table 16 layout)", ""]
     lines += ["| Action | Model-side score | Recall @20% | Mismatch 20,50 | buckets |", "|---|---|---:|---:|---:|"]
     for a, label in (("R", "Release $R$"), ("L", "Retain-low $L$")):
-        v = {b: sol.v_eff[b][a] for b in sol.v_eff if (b, a) in v_recs}
-        d = {b: sol.d_eff[b][a] for b in sol.d_eff if (b, a) in d_recs}
+        v = {b["bucket"]: sol.v_eff[b["bucket"]][a] for b in meta["buckets"] if a in b["V"]}
+        d = {b["bucket"]: sol.d_eff[b["bucket"]][a] for b in meta["buckets"] if a in b["D"]}
         m = mismatch_stats(v, d)
         lines.append(f"| {label} | $D(q,{a})$ | {_p(m['recall'])} | {_p(m['mismatch'])} | {m['n']} |")
     lines += [

@@ -169,6 +169,16 @@ class DistortionSum:
         }
 
 
+def spaced(items: list, k: int | None) -> list:
+    """``k`` evenly spaced elements of ``items`` (all of them when ``k`` is None or large enough)."""
+    n = len(items)
+    if k is None or k >= n:
+        return list(items)
+    if k < 1:
+        raise ValueError(f"need at least one batch, got {k}")
+    return [items[(2 * i + 1) * n // (2 * k)] for i in range(k)]
+
+
 def run_distortion(
     lm,
     control,
@@ -178,10 +188,13 @@ def run_distortion(
     make_policy: Callable[[str, str], object],
     cache_config: CacheConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    max_batches: int | None = None,
 ) -> tuple[dict[tuple[str, str], dict], int]:
     """D(q, a) for every candidate (bucket, action), resumable from ``work_dir/distortion.jsonl``.
 
-    Returns (records by candidate, candidates computed by this call).
+    ``max_batches``: replay only that many of the control's batches, evenly spaced (D is a mean
+    over decode steps and needs fewer cases than V's accuracy). Returns (records by candidate,
+    candidates computed by this call).
     """
     from pask.calibration.sensitivity import read_records
 
@@ -192,12 +205,13 @@ def run_distortion(
         progress("distortion", len(candidates) - len(todo), len(candidates))
     num_layers = lm.num_layers
     groups = {name: g for name, _, g, _ in plan.buckets()}
+    batches = spaced(control.batches, max_batches)
     with open(path, "a") as f:
         for bucket, action in todo:
             t0 = time.perf_counter()
             acc = DistortionSum(num_layers)
             policy = make_policy(bucket, action)
-            for batch in control.batches:
+            for batch in batches:
                 rows = [control.by_id[i] for i in batch]
                 probe = forced_capture(
                     lm.model,
@@ -211,7 +225,7 @@ def run_distortion(
                 full = control.load_capture(batch)
                 for r, p in zip(rows, probe, strict=True):
                     acc.add(p, full[r.id])
-            rec = {"bucket": bucket, "action": action, **acc.result(groups[bucket], plan.num_groups)}
+            rec = {"bucket": bucket, "action": action, **acc.result(groups.get(bucket, 0), plan.num_groups)}
             rec["wall_s"] = round(time.perf_counter() - t0, 3)
             f.write(json.dumps(rec) + "\n")
             f.flush()

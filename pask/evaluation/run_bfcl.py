@@ -109,6 +109,15 @@ def score(case: FunctionCase, gen: Generation, req: Request | None = None, save_
     )
 
 
+def repair_jsonl(path: Path) -> None:
+    """Drop a torn last line (a run killed mid-write), so that appended rows start on their own line."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
 def read_done(path: Path, key: Callable[[dict], object] = lambda row: row["id"]) -> dict:
     """Finished records of a resumable JSONL file by ``key`` (case id by default); a torn last line is ignored."""
     done: dict = {}
@@ -138,6 +147,7 @@ def run_bfcl(
         raise PaskError("--batch-size must be >= 1")
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "cases.jsonl"
+    repair_jsonl(jsonl)
     done = read_done(jsonl)
     todo = [c for c in cases if c.id not in done]
     if progress:

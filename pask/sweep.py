@@ -1,0 +1,822 @@
+"""Evaluation sweeps: models x tasks x policies x budgets x splits from a TOML file, run cell by cell.
+
+Config file (``tomllib``; relative paths are relative to the config file)::
+
+    results_dir = "results/paper"
+    dtype = "bf16"                 # bf16 | fp32
+    threads = 2                    # torch threads per process (per Ray task)
+    models = ["qwen2.5-coder-0.5b"]
+    tasks = ["bfcl"]
+    splits = ["test"]
+    policies = ["full", "pask", "h2o"]
+    budgets = [0.33]               # needed when a policy other than full is listed
+
+    [[grid]]                       # more products; a key it lacks takes the top-level value
+    tasks = ["sql"]
+    policies = ["pask"]
+    budgets = [0.6, 0.5]
+
+    [bfcl]                         # options of one task (see TASKS for each task's keys)
+    categories = ["simple", "multiple", "parallel", "parallel_multiple"]
+    limit = 10                     # bfcl: cases per category; sql: first N cases of the split
+    batch_size = 8
+    max_new_tokens = 384
+    [bfcl.tables."qwen2.5-coder-0.5b"]
+    "0.33" = "tables/qwen-bfcl-0.33.json"   # PASK table per (model, budget)
+    [bfcl.policy_config.h2o]
+    recent = 32                    # overrides the tuned configuration
+
+Each cell writes ``results_dir/<model>/<task>/<split>/<policy>-b<budget>/`` (Full KV is
+``full-b1``) through its task runner, which keeps the per-case rows in a resumable
+``cases.jsonl`` and writes ``summary.json`` / ``summary.md``. ``cell.json`` records the cell, a
+hash of everything that changes its results (``config_hash``), the code version and timing.
+A rerun skips finished cells and resumes unfinished ones; a cell made by another code version
+or configuration is refused (:class:`PaskError`) unless ``overwrite=True`` (``--force``), which
+deletes and reruns it. ``results_dir/sweep.json`` records the last sweep: status and timing
+per cell. Policies ``pask-prefill`` / ``pask-decode`` are PASK with the table applied to the
+prompt only / to generated tokens only (the paper's Table 17 ablation).
+
+Task runners (the registry :data:`TASKS`) share one contract:
+``run(lm, cases, out_dir, batch_size, max_new_tokens, policy, progress, meta, save_tags, **extra)``
+resumes from ``out_dir/cases.jsonl`` (one row per case, key ``id``) and returns the summary; given
+only finished cases it writes the summary without touching ``lm`` (so shards run elsewhere can be
+merged, see :mod:`pask.sweep_ray`).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib
+import itertools
+import json
+import shutil
+import subprocess
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pask.errors import PaskError
+
+CELL_FILE = "cell.json"
+SWEEP_FILE = "sweep.json"
+SHARDS_DIR = "shards"
+ABLATIONS = {"pask": (True, True), "pask-prefill": (True, False), "pask-decode": (False, True)}
+DTYPES = ("bf16", "fp32")
+_PRODUCT_KEYS = ("models", "tasks", "splits", "policies", "budgets")
+_TOP_KEYS = {"results_dir", "dtype", "threads", "grid", *_PRODUCT_KEYS}
+
+Progress = Callable[[int, int, str], None]  # (cases completed, cases in the sweep, current cell)
+
+
+# -- task registry ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TaskSpec:
+    """How the sweep runs one task.
+
+    Parameters
+    ----------
+    name : str
+        Task name in configs and result paths.
+    runner : str or callable
+        The task runner, or ``"module:function"`` naming it (imported when a cell runs).
+    loader : str or callable
+        Takes ``(split, options)`` and returns cases (each with ``.id``); or its ``"module:function"``.
+    splits : tuple of str
+        Splits the task knows.
+    defaults : dict
+        Option -> default value; the task's allowed option keys (besides ``tables``,
+        ``policy_config`` and ``threads``).
+    hashed : tuple of str
+        Options that change results (part of the cell's config hash); ``batch_size`` and
+        ``threads`` are not (batched greedy decoding equals one request at a time).
+    runner_kwargs : tuple of str
+        Options passed to the runner as keyword arguments.
+    """
+
+    name: str
+    runner: str | Callable
+    loader: str | Callable
+    splits: tuple[str, ...]
+    defaults: dict[str, Any]
+    hashed: tuple[str, ...]
+    runner_kwargs: tuple[str, ...] = ()
+
+    def run_fn(self) -> Callable:
+        return _import(self.runner, self.name)
+
+    def load_cases(self, split: str, options: dict) -> list:
+        return _import(self.loader, self.name)(split, options)
+
+
+def _import(target: str | Callable, task: str) -> Callable:
+    if callable(target):
+        return target
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as e:
+        raise PaskError(f"task '{task}' needs {module}, which this version of pask lacks ({e})") from None
+    except AttributeError:
+        raise PaskError(f"task '{task}': {module} has no {attr}") from None
+
+
+def load_bfcl_cases(split: str, options: dict) -> list:
+    from pask.tasks.function_calling import load_cases
+
+    return load_cases(list(options["categories"]), split=split, limit=options["limit"])
+
+
+def load_sql_cases(split: str, options: dict) -> list:
+    from pask.evaluation.run_sql import select_cases
+
+    return select_cases(split, options["limit"], options["data_dir"])
+
+
+TASKS: dict[str, TaskSpec] = {
+    "bfcl": TaskSpec(
+        name="bfcl",
+        runner="pask.evaluation.run_bfcl:run_bfcl",
+        loader="pask.sweep:load_bfcl_cases",
+        splits=("calibration", "dev", "test", "all"),
+        defaults={
+            "categories": ["simple", "multiple", "parallel", "parallel_multiple"],
+            "limit": None,
+            "batch_size": 8,
+            "max_new_tokens": 384,
+            "save_tags": False,
+            "allow_transfer": False,
+        },
+        hashed=("categories", "limit", "max_new_tokens", "save_tags", "allow_transfer"),
+    ),
+    "sql": TaskSpec(
+        name="sql",
+        runner="pask.evaluation.run_sql:run_sql",
+        loader="pask.sweep:load_sql_cases",
+        splits=("calibration", "dev", "test"),
+        defaults={
+            "limit": None,
+            "batch_size": 8,
+            "max_new_tokens": 256,
+            "save_tags": False,
+            "allow_transfer": False,
+            "data_dir": None,
+        },
+        hashed=("limit", "max_new_tokens", "save_tags", "allow_transfer", "data_dir"),
+        runner_kwargs=("data_dir",),
+    ),
+}
+
+
+def register_task(spec: TaskSpec) -> None:
+    """Add (or replace) a task in the registry."""
+    TASKS[spec.name] = spec
+
+
+# -- cells ----------------------------------------------------------------------------------------
+def budget_label(budget: float | None) -> str:
+    return "1" if budget is None else f"{budget:g}"
+
+
+def safe_name(model: str) -> str:
+    """A model name as one path component (hub ids and local paths lose their separators)."""
+    return model.strip("/").replace("/", "_").replace("\\", "_").replace(":", "_")
+
+
+@dataclass
+class Cell:
+    """One (model, task, split, policy, budget) of a sweep with its task options."""
+
+    model: str
+    task: str
+    split: str
+    policy: str
+    budget: float | None  # None: Full KV
+    dtype: str = "bf16"
+    options: dict[str, Any] = field(default_factory=dict)  # the task's options, defaults filled in
+    policy_config: dict[str, Any] = field(default_factory=dict)
+    table: str | None = None  # PASK table file
+    threads: int | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.model, self.task, self.split, self.policy, self.budget)
+
+    @property
+    def rel_dir(self) -> Path:
+        return Path(safe_name(self.model), self.task, self.split, f"{self.policy}-b{budget_label(self.budget)}")
+
+    @property
+    def name(self) -> str:
+        return str(self.rel_dir)
+
+    def spec(self) -> dict:
+        """Everything that changes the cell's results (hashed into ``config_hash``)."""
+        task = TASKS[self.task]
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "task": self.task,
+            "split": self.split,
+            "policy": self.policy,
+            "budget": self.budget,
+            "options": {k: self.options[k] for k in task.hashed},
+            "policy_config": self.policy_config,
+            "table_sha256": _sha256_file(Path(self.table)) if self.table else None,
+        }
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.spec(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def meta(self) -> dict:
+        return {
+            "model": self.model,
+            "policy": self.policy,
+            "budget": self.budget,
+            "split": self.split,
+            "task": self.task,
+            "cell": self.name,
+            **({"categories": self.options["categories"]} if "categories" in self.options else {}),
+            **({"limit": self.options["limit"]} if self.options.get("limit") is not None else {}),
+        }
+
+    def load_cases(self) -> list:
+        cases = TASKS[self.task].load_cases(self.split, self.options)
+        if not cases:
+            raise PaskError(f"cell {self.name}: no cases (check split, categories and limit)")
+        ids = [c.id for c in cases]
+        if len(set(ids)) != len(ids):
+            raise PaskError(f"cell {self.name}: duplicate case ids")
+        return cases
+
+
+def _sha256_file(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        raise PaskError(f"table file {path} does not exist") from None
+
+
+@dataclass
+class SweepConfig:
+    """A parsed sweep: where results go, and the cells in run order."""
+
+    results_dir: Path
+    cells: list[Cell]
+    dtype: str = "bf16"
+    threads: int | None = None
+    source: str | None = None  # config file path
+    sha256: str | None = None  # of the config file
+
+
+def load_config(path: Path | str, results_dir: Path | str | None = None, threads: int | None = None) -> SweepConfig:
+    """Read and check a sweep config file (``results_dir`` / ``threads`` override the file's)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise PaskError(f"sweep config {path} does not exist") from None
+    try:
+        data = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise PaskError(f"sweep config {path} is not valid TOML: {e}") from None
+    cfg = parse_config(data, path.parent, results_dir, threads)
+    cfg.source, cfg.sha256 = str(path), hashlib.sha256(raw).hexdigest()
+    return cfg
+
+
+def _list(block: dict, key: str, kind: type | tuple, where: str) -> list:
+    value = block[key]
+    if not isinstance(value, list) or not value:
+        raise PaskError(f"{where}: '{key}' must be a non-empty list")
+    for v in value:
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise PaskError(f"{where}: '{key}' has a bad entry {v!r}")
+    return value
+
+
+def check_model(name: str) -> None:
+    """An embedded model name, a local directory or a hub id ``org/name`` (not loaded here)."""
+    from pask.models import EMBEDDED
+
+    p = Path(name)
+    if name in EMBEDDED or p.is_dir() or ("/" in name and not p.exists() and not name.startswith(("/", "."))):
+        return
+    raise PaskError(f"unknown model '{name}': not an embedded model ({', '.join(EMBEDDED)}), a directory or a hub id")
+
+
+def _check_policy(name: str) -> None:
+    from pask.policies import policy_names
+
+    known = {*policy_names(), "kivi", *ABLATIONS}
+    if name not in known:
+        raise PaskError(f"unknown policy '{name}'; known policies: {', '.join(sorted(known))}")
+
+
+def _task_options(data: dict, task: str, base: Path) -> tuple[dict, dict, dict, int | None]:
+    spec = TASKS[task]
+    block = data.get(task, {})
+    if not isinstance(block, dict):
+        raise PaskError(f"[{task}] must be a table of options")
+    allowed = {*spec.defaults, "tables", "policy_config", "threads"}
+    if unknown := sorted(set(block) - allowed):
+        raise PaskError(f"[{task}]: unknown option(s) {unknown}; allowed: {sorted(allowed)}")
+    opts = {**spec.defaults, **{k: v for k, v in block.items() if k in spec.defaults}}
+    for k in ("batch_size", "max_new_tokens"):
+        if not isinstance(opts[k], int) or isinstance(opts[k], bool) or opts[k] < 1:
+            raise PaskError(f"[{task}] {k} must be an integer >= 1, got {opts[k]!r}")
+    lim = opts["limit"]
+    if lim is not None and (not isinstance(lim, int) or isinstance(lim, bool) or lim < 1):
+        raise PaskError(f"[{task}] limit must be an integer >= 1, got {lim!r}")
+    if "categories" in opts:
+        _list(opts, "categories", str, f"[{task}]")
+    if opts.get("data_dir") is not None:
+        opts["data_dir"] = str((base / opts["data_dir"]).resolve())
+    tables = block.get("tables", {})
+    if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
+        raise PaskError(f'[{task}.tables] must map model -> {{"budget" = "table file"}}')
+    pcfg = block.get("policy_config", {})
+    if not isinstance(pcfg, dict) or not all(isinstance(v, dict) for v in pcfg.values()):
+        raise PaskError(f"[{task}.policy_config] must map policy -> table of parameters")
+    return opts, tables, pcfg, _threads(block.get("threads"), f"[{task}]")
+
+
+def _table_for(tables: dict, model: str, budget: float, task: str, base: Path) -> str:
+    per_model = tables.get(model, {})
+    for key, path in per_model.items():
+        try:
+            b = float(key)
+        except ValueError:
+            raise PaskError(f'[{task}.tables."{model}"]: key {key!r} is not a budget') from None
+        if abs(b - budget) < 1e-9:
+            p = (base / path).resolve()
+            if not p.is_file():
+                raise PaskError(f"PASK table {p} (model {model}, budget {budget:g}) does not exist")
+            return str(p)
+    raise PaskError(
+        f"policy pask on {model} at budget {budget:g} needs a table: add "
+        f'[{task}.tables."{model}"] "{budget:g}" = "FILE" (made by `pask calibrate`)'
+    )
+
+
+def _threads(value, where: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise PaskError(f"{where}: threads must be an integer >= 1, got {value!r}")
+    return value
+
+
+def parse_config(
+    data: dict, base: Path | str = ".", results_dir: Path | str | None = None, threads: int | None = None
+) -> SweepConfig:
+    """Check a config (the parsed TOML) and expand it into cells; see the module docstring."""
+    base = Path(base)
+    if unknown := sorted(set(data) - _TOP_KEYS - set(TASKS)):
+        raise PaskError(f"unknown config key(s) {unknown}; known: {sorted(_TOP_KEYS)} and task names {sorted(TASKS)}")
+    if results_dir is None:
+        if "results_dir" not in data:
+            raise PaskError("config is missing 'results_dir' (where the cells are written)")
+        results_dir = base / str(data["results_dir"])
+    dtype = data.get("dtype", "bf16")
+    if dtype not in DTYPES:
+        raise PaskError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+    top_threads = _threads(threads if threads is not None else data.get("threads"), "config")
+    grids = data.get("grid", [])
+    if not isinstance(grids, list) or not all(isinstance(g, dict) for g in grids):
+        raise PaskError("'grid' must be an array of tables ([[grid]])")
+    blocks = (
+        [({k: data[k] for k in _PRODUCT_KEYS if k in data}, "config")] if any(k in data for k in _PRODUCT_KEYS) else []
+    )
+    for i, g in enumerate(grids):
+        if unknown := sorted(set(g) - set(_PRODUCT_KEYS)):
+            raise PaskError(f"[[grid]] #{i + 1}: unknown key(s) {unknown}; allowed: {list(_PRODUCT_KEYS)}")
+        blocks.append(({**{k: data[k] for k in _PRODUCT_KEYS if k in data}, **g}, f"[[grid]] #{i + 1}"))
+    if not blocks:
+        raise PaskError(f"config has no cells: give {', '.join(_PRODUCT_KEYS)} (top level or in [[grid]])")
+    task_opts: dict[str, tuple] = {}
+    cells: dict[tuple, Cell] = {}
+    for block, where in blocks:
+        models, tasks, splits, policies, budgets = _product(block, where)
+        for t in tasks:
+            task_opts.setdefault(t, _task_options(data, t, base))
+        for m, t, s, p in itertools.product(models, tasks, splits, policies):
+            opts, tables, pcfg, t_threads = task_opts[t]
+            for b in [None] if p == "full" else budgets:
+                cell = Cell(m, t, s, p, b, dtype, dict(opts), dict(pcfg.get(p, {})))
+                # --threads beats the task's threads, which beat the top-level threads
+                cell.threads = top_threads if threads is not None else (t_threads or top_threads)
+                if p in ABLATIONS:
+                    cell.table = _table_for(tables, m, b, t, base)
+                cells.setdefault(cell.key, cell)
+    out = sorted(cells.values(), key=_order(list(cells)))
+    for c in out:
+        _check_cell_policy(c)
+    return SweepConfig(Path(results_dir), out, dtype, top_threads)
+
+
+def _product(block: dict, where: str) -> tuple[list, list, list, list, list[float]]:
+    """The checked lists of one product (top level or a [[grid]] block)."""
+    for key in ("models", "tasks", "splits", "policies"):
+        if key not in block:
+            raise PaskError(f"{where}: missing key '{key}'")
+    models = _list(block, "models", str, where)
+    tasks = _list(block, "tasks", str, where)
+    splits = _list(block, "splits", str, where)
+    policies = _list(block, "policies", str, where)
+    budgets: list = []
+    if "budgets" in block:
+        budgets = _list(block, "budgets", (int, float), where)
+        if bad := [b for b in budgets if not 0 < b <= 1]:
+            raise PaskError(f"{where}: budgets must be in (0, 1], got {bad}")
+    if any(p != "full" for p in policies) and not budgets:
+        raise PaskError(f"{where}: missing key 'budgets' (needed by policies other than full)")
+    for m in models:
+        check_model(m)
+    for t in tasks:
+        if t not in TASKS:
+            raise PaskError(f"{where}: unknown task '{t}'; known tasks: {', '.join(sorted(TASKS))}")
+        if bad := [s for s in splits if s not in TASKS[t].splits]:
+            raise PaskError(f"{where}: unknown split(s) {bad} for task {t}; choose from {list(TASKS[t].splits)}")
+    for p in policies:
+        _check_policy(p)
+    return models, tasks, splits, policies, [float(b) for b in budgets]
+
+
+def _order(keys: list[tuple]) -> Callable[[Cell], tuple]:
+    """Run order: grouped by model (loaded once), otherwise in config order."""
+    first_model = {}
+    for i, k in enumerate(keys):
+        first_model.setdefault(k[0], i)
+    index = {k: i for i, k in enumerate(keys)}
+    return lambda c: (first_model[c.model], index[c.key])
+
+
+def _check_cell_policy(cell: Cell) -> None:
+    """Build the policy once (no model) so that bad budgets / parameters fail before any model loads."""
+    if cell.policy in ABLATIONS:
+        from pask.policies.pask import make_pask_policy
+
+        if cell.policy_config:
+            raise PaskError(f"cell {cell.name}: PASK takes its actions from the table, not from policy_config")
+        make_pask_policy(cell.table, cell.budget, fingerprint=None)
+    else:
+        make_cell_policy(cell, None)
+
+
+def make_cell_policy(cell: Cell, lm):
+    """The KV policy object of a cell (``None`` for Full KV); ``lm`` checks a PASK table's model."""
+    if cell.policy in ABLATIONS:
+        from pask.policies.pask import make_pask_policy
+
+        prefill, decode = ABLATIONS[cell.policy]
+        return make_pask_policy(
+            cell.table,
+            cell.budget,
+            prefill=prefill,
+            decode=decode,
+            fingerprint=lm.fingerprint if lm is not None else None,
+            allow_transfer=bool(cell.options.get("allow_transfer")),
+        )
+    from pask.cli import make_policy
+
+    config = json.dumps(cell.policy_config) if cell.policy_config else None
+    try:
+        return make_policy(cell.policy, cell.budget, config)
+    except PaskError as e:
+        raise PaskError(f"cell {cell.name}: {e}") from None
+
+
+# -- code version and manifests -------------------------------------------------------------------
+CODE_PATHS = ("pask", "data")  # what results depend on: the package (incl. tuned configs) and bundled data
+
+
+def code_version() -> dict:
+    """The code a cell was made with: git commit + dirty flag of the source tree pask runs from.
+
+    Cells are compared by ``key``: the git tree hashes of :data:`CODE_PATHS` at HEAD plus a dirty
+    flag for uncommitted changes under them, so committing results (or docs) does not invalidate
+    finished cells but a code change does. Outside a git checkout: the package version.
+    """
+    import pask
+
+    root = Path(pask.__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            raise ValueError("pask is not at the top of this git tree")
+        commit = git("rev-parse", "HEAD")
+        describe = git("describe", "--always", "--dirty", "--abbrev=12")
+        paths = [p for p in CODE_PATHS if (root / p).exists()]
+        trees = git("rev-parse", *[f"HEAD:{p}" for p in paths])
+        code_dirty = bool(git("status", "--porcelain", "--untracked-files=all", "--", *paths))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {"key": f"pask-{pask.__version__}", "package": pask.__version__}
+    key = hashlib.sha256(trees.encode()).hexdigest()[:16] + ("+dirty" if code_dirty else "")
+    return {"key": key, "commit": commit, "describe": describe, "dirty": describe.endswith("-dirty")}
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def read_manifest(cell_dir: Path) -> dict | None:
+    path = cell_dir / CELL_FILE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PaskError(f"{path} is not valid JSON ({e}); delete the cell or rerun with --force") from None
+    if not isinstance(data, dict):
+        raise PaskError(f"{path} does not hold a JSON object; delete the cell or rerun with --force")
+    return data
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically (a killed sweep never leaves half a manifest)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def read_rows(path: Path) -> dict[str, dict]:
+    from pask.evaluation.run_bfcl import read_done
+
+    return read_done(path)
+
+
+def _repair(path: Path) -> None:
+    from pask.evaluation.run_bfcl import repair_jsonl
+
+    repair_jsonl(path)
+
+
+def merge_rows(cell_dir: Path, rows: list[dict], wanted: set[str]) -> int:
+    """Append rows of ``wanted`` cases not yet in the cell's ``cases.jsonl``; return how many were added."""
+    jsonl = cell_dir / "cases.jsonl"
+    _repair(jsonl)
+    done = read_rows(jsonl)
+    new = []
+    for r in rows:
+        if r.get("id") in wanted and r["id"] not in done:
+            done[r["id"]] = r
+            new.append(r)
+    if new:
+        with open(jsonl, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in new)
+    return len(new)
+
+
+def merge_shards(cell_dir: Path, wanted: set[str]) -> int:
+    """Fold rows left in ``shards/*/cases.jsonl`` (an interrupted Ray run) into the cell; remove the shards."""
+    shards = cell_dir / SHARDS_DIR
+    if not shards.is_dir():
+        return 0
+    added = 0
+    for jsonl in sorted(shards.glob("*/cases.jsonl")):
+        added += merge_rows(cell_dir, list(read_rows(jsonl).values()), wanted)
+    shutil.rmtree(shards)
+    return added
+
+
+@dataclass
+class CellPlan:
+    """A cell with its cases and what this sweep does with it: ``done`` | ``resume`` | ``new``
+    (``refused`` in a dry run: made by another code version or config)."""
+
+    cell: Cell
+    dir: Path
+    cases: list
+    state: str
+    n_done: int = 0
+
+
+def plan(config: SweepConfig, version: dict, overwrite: bool = False, dry_run: bool = False) -> list[CellPlan]:
+    """Check every cell's manifest against this config and code version, then classify the cells.
+
+    All conflicts are reported at once, before anything runs or is deleted (``dry_run``: they are
+    returned as state ``refused`` and nothing is deleted).
+    """
+    entries, conflicts, loaded = [], [], {}
+    for cell in config.cells:
+        key = (cell.task, cell.split, json.dumps(cell.options, sort_keys=True))
+        if key not in loaded:
+            loaded[key] = cell.load_cases()
+        cell_dir = config.results_dir / cell.rel_dir
+        man = read_manifest(cell_dir)
+        problem = None
+        if man is not None:
+            if man.get("config_hash") != cell.config_hash():
+                problem = f"made with another configuration (hash {man.get('config_hash')} != {cell.config_hash()})"
+            elif man.get("code_version", {}).get("key") != version["key"]:
+                problem = f"made by code version {man.get('code_version', {}).get('key')} (this is {version['key']})"
+        elif cell_dir.is_dir() and any(cell_dir.iterdir()):
+            problem = f"holds results without {CELL_FILE} (not made by a sweep)"
+        if problem:
+            conflicts.append((cell_dir, problem))
+        entries.append((cell, cell_dir, loaded[key], man, problem))
+    if conflicts and not overwrite and not dry_run:
+        lines = [f"  {d}: {p}" for d, p in conflicts[:10]]
+        more = f"\n  ... and {len(conflicts) - 10} more" if len(conflicts) > 10 else ""
+        raise PaskError(
+            f"{len(conflicts)} cell(s) cannot be reused:\n" + "\n".join(lines) + more + "\n"
+            "rerun with --force to delete and recompute them (or use another results_dir)"
+        )
+    out = []
+    for cell, cell_dir, cases, man, problem in entries:
+        if problem and dry_run:
+            out.append(CellPlan(cell, cell_dir, cases, "refused" if not overwrite else "new"))
+            continue
+        if problem:
+            shutil.rmtree(cell_dir)
+            man = None
+        ids = {c.id for c in cases}
+        if man is not None and man.get("status") == "done" and (cell_dir / "summary.json").exists():
+            out.append(CellPlan(cell, cell_dir, cases, "done", len(cases)))
+            continue
+        n = len(ids & set(read_rows(cell_dir / "cases.jsonl"))) if cell_dir.is_dir() else 0
+        for jsonl in (cell_dir / SHARDS_DIR).glob("*/cases.jsonl"):
+            n += len(ids & set(read_rows(jsonl)))
+        out.append(CellPlan(cell, cell_dir, cases, "resume" if n else "new", min(n, len(cases))))
+    return out
+
+
+def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
+    """Prepare the cell dir (fold shard leftovers, repair the JSONL) and mark the manifest running."""
+    p.dir.mkdir(parents=True, exist_ok=True)
+    ids = {c.id for c in p.cases}
+    merge_shards(p.dir, ids)
+    _repair(p.dir / "cases.jsonl")
+    man = read_manifest(p.dir) or {
+        "cell": {k: getattr(p.cell, k) for k in ("model", "task", "split", "policy", "budget")},
+        "spec": p.cell.spec(),
+        "config_hash": p.cell.config_hash(),
+        "code_version": version,
+        "n_cases": len(p.cases),
+        "created": _now(),
+        "wall_s": 0.0,
+        "runs": [],
+    }
+    man["status"] = "running"
+    before = len(ids & set(read_rows(p.dir / "cases.jsonl")))
+    man["runs"].append({"started": _now(), "mode": mode, "cases_before": before})
+    write_json(p.dir / CELL_FILE, man)
+    return man
+
+
+def finish_cell(p: CellPlan, man: dict, wall: float, extra: dict | None = None) -> dict:
+    """Check the cell has exactly one row per case, then mark the manifest done; return the summary."""
+    rows = read_rows(p.dir / "cases.jsonl")
+    ids = [c.id for c in p.cases]
+    if missing := [i for i in ids if i not in rows]:
+        raise PaskError(f"cell {p.cell.name}: {len(missing)} case(s) have no result row, e.g. {missing[:3]}")
+    summary = json.loads((p.dir / "summary.json").read_text())
+    run = man["runs"][-1]
+    run.update({"finished": _now(), "wall_s": round(wall, 2), "cases_run": len(ids) - run["cases_before"]})
+    run.update(extra or {})
+    man.update({"status": "done", "finished": _now(), "wall_s": round(man["wall_s"] + wall, 2)})
+    write_json(p.dir / CELL_FILE, man)
+    return summary
+
+
+def run_cases(cell: Cell, lm, cases: list, out_dir: Path, progress: Callable[[int], None] | None = None) -> dict:
+    """Run a cell's task runner on ``cases`` into ``out_dir`` (resuming there); ``lm=None`` only summarises."""
+    task = TASKS[cell.task]
+    run = task.run_fn()
+    policy = make_cell_policy(cell, lm) if lm is not None else None
+    extra = {k: cell.options[k] for k in task.runner_kwargs if cell.options.get(k) is not None}
+    o = cell.options
+    args = (o["batch_size"], o["max_new_tokens"], policy, progress, cell.meta(), o["save_tags"])
+    return run(lm, cases, out_dir, *args, **extra)
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def default_loader(model: str, dtype: str):
+    from pask.models import load_model
+
+    return load_model(model, dtype=torch_dtype(dtype))
+
+
+# -- the sweep ------------------------------------------------------------------------------------
+def run_sweep(
+    config: SweepConfig,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    ray_address: str | None = None,
+    shard_size: int | None = None,
+    load: Callable[[str, str], Any] | None = None,
+) -> dict:
+    """Run every unfinished cell (in-process, or as Ray tasks when ``ray_address`` is given).
+
+    ``load(model, dtype)`` loads a model (default :func:`pask.models.load_model`); in-process each
+    model is loaded once for all its cells. Writes and returns ``sweep.json``'s content.
+    """
+    version = code_version()
+    plans = plan(config, version, overwrite)
+    config.results_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "config": config.source,
+        "config_sha256": config.sha256,
+        "code_version": version,
+        "mode": "ray" if ray_address else "local",
+        "started": _now(),
+        "cells": {p.cell.name: {"state": p.state, "n": len(p.cases)} for p in plans},
+    }
+    tracker = _Tracker(plans, progress)
+    t0 = time.perf_counter()
+
+    def cell_done(p: CellPlan, summary: dict, wall: float, ran: int) -> None:
+        record["cells"][p.cell.name].update(_cell_record(summary, wall, ran))
+        record["wall_s"] = round(time.perf_counter() - t0, 2)
+        write_json(config.results_dir / SWEEP_FILE, record)
+
+    for p in plans:
+        if p.state == "done":
+            summary = json.loads((p.dir / "summary.json").read_text())
+            record["cells"][p.cell.name].update(_cell_record(summary, 0.0, 0))
+    try:
+        if ray_address:
+            from pask.sweep_ray import run_cells_ray
+
+            run_cells_ray(plans, config, version, ray_address, tracker, cell_done, shard_size)
+        else:
+            _run_cells_local(plans, config, version, tracker, cell_done, load or default_loader)
+    finally:
+        for c in record["cells"].values():
+            if "cases_run" not in c:  # the sweep stopped (error, kill) before this cell finished
+                c["state"] = "unfinished"
+        record["finished"] = _now()
+        record["wall_s"] = round(time.perf_counter() - t0, 2)
+        write_json(config.results_dir / SWEEP_FILE, record)
+    return record
+
+
+def _cell_record(summary: dict, wall: float, ran: int) -> dict:
+    o = summary.get("overall", {})
+    acc = o.get("accuracy", o.get("ex"))
+    return {"cases_run": ran, "wall_s": round(wall, 2), "accuracy": acc, "measured_b": summary.get("measured_b")}
+
+
+class _Tracker:
+    """Overall progress: cases finished across all cells (a cell's runner reports its own count)."""
+
+    def __init__(self, plans: list[CellPlan], progress: Progress | None) -> None:
+        self.total = sum(len(p.cases) for p in plans)
+        self.per_cell = {p.cell.name: p.n_done for p in plans}
+        self.progress = progress
+        self.show("")
+
+    def show(self, desc: str) -> None:
+        if self.progress:
+            self.progress(sum(self.per_cell.values()), self.total, desc)
+
+    def set(self, p: CellPlan, n: int) -> None:
+        self.per_cell[p.cell.name] = min(n, len(p.cases))
+        self.show(p.cell.name)
+
+
+def _run_cells_local(plans, config, version, tracker, cell_done, load) -> None:
+    todo = [p for p in plans if p.state != "done"]
+    set_threads(config.threads)
+    for model in dict.fromkeys(p.cell.model for p in todo):
+        lm = load(model, config.dtype)
+        for p in [p for p in todo if p.cell.model == model]:
+            set_threads(p.cell.threads)
+            man = start_cell(p, version, "local")
+            before = man["runs"][-1]["cases_before"]
+            seen = 0
+
+            def advance(n: int, p=p) -> None:
+                nonlocal seen
+                seen += n
+                tracker.set(p, seen)
+
+            tracker.set(p, before)
+            t = time.perf_counter()
+            run_cases(p.cell, lm, p.cases, p.dir, advance)
+            wall = time.perf_counter() - t
+            summary = finish_cell(p, man, wall)
+            tracker.set(p, len(p.cases))
+            cell_done(p, summary, wall, len(p.cases) - before)
+        del lm
+        gc.collect()

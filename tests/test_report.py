@@ -1,0 +1,196 @@
+"""Report: paper-layout tables, CSV and plots from (fabricated) result cells; deterministic output."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pask.cli import app
+from pask.errors import PaskError
+from pask.report import (
+    collect,
+    csv_text,
+    markdown,
+    plot_accuracy_vs_budget,
+    plot_category_bars,
+    plot_sensitivity_vs_distortion,
+    write_report,
+)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+BFCL = ("simple", "multiple", "parallel", "parallel_multiple")
+SQL = ("easy", "medium", "hard", "extra")
+MODEL = "qwen2.5-coder-0.5b"
+
+
+def make_cell(root: Path, task: str, policy: str, budget: float | None, b: float, correct: list[int], **kw) -> Path:
+    """A result cell as `pask sweep` lays it out; 10 cases per category / difficulty."""
+    groups = BFCL if task == "bfcl" else SQL
+    key, metric = ("categories", "accuracy") if task == "bfcl" else ("difficulties", "ex")
+    per = {g: {"n": 10, "correct": c, metric: 10.0 * c} for g, c in zip(groups, correct, strict=True)}
+    n, total = 10 * len(groups), sum(correct)
+    summary = {key: per, "overall": {"n": n, "correct": total, metric: round(100 * total / n, 2)}, "measured_b": b}
+    cell = root / MODEL / task / kw.get("split", "test") / f"{policy}-b{'1' if budget is None else f'{budget:g}'}"
+    cell.mkdir(parents=True)
+    (cell / "summary.json").write_text(json.dumps(summary))
+    manifest = {"cell": {"model": MODEL, "task": task, "split": "test", "policy": policy, "budget": budget}}
+    manifest.update({"status": kw.get("status", "done"), "n_cases": n, "wall_s": kw.get("wall", 1.0)})
+    (cell / "cell.json").write_text(json.dumps(manifest))
+    return cell
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    root = tmp_path / "results"
+    make_cell(root, "bfcl", "full", None, 1.0, [8, 7, 4, 3])
+    make_cell(root, "bfcl", "pask", 0.33, 0.331, [8, 7, 3, 3])
+    make_cell(root, "bfcl", "pask", 0.25, 0.252, [7, 6, 3, 2])
+    make_cell(root, "bfcl", "h2o", 0.33, 0.334, [5, 5, 1, 1])
+    make_cell(root, "bfcl", "snapkv", 0.33, 0.329, [6, 4, 2, 1])
+    make_cell(root, "bfcl", "pask-prefill", 0.33, 0.61, [8, 7, 4, 2])
+    make_cell(root, "bfcl", "pask-decode", 0.33, 0.72, [8, 7, 3, 3])
+    make_cell(root, "sql", "full", None, 1.0, [6, 4, 2, 1])
+    for budget in (0.6, 0.275):
+        make_cell(root, "sql", "pask", budget, budget + 0.002, [6, 4, 1, 1])
+        make_cell(root, "sql", "kivi-4", budget, budget - 0.001, [5, 3, 1, 0])
+    return root
+
+
+def table(md: str, title_part: str) -> list[str]:
+    """The rows (header included) of the markdown table whose title contains ``title_part``."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("### ") and title_part in line)
+    rows = []
+    for line in lines[start + 1 :]:
+        if line.startswith("### ") or line.startswith("## "):
+            break
+        if line.startswith("|") and not line.startswith("|---"):
+            rows.append(line)
+    return rows
+
+
+def cells_of(row: str) -> list[str]:
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def test_tables_in_paper_layouts(results):
+    md = markdown(collect(results))
+    t1 = [cells_of(r) for r in table(md, "Table 1 — BFCL accuracy (%) by category, B = 0.33")]
+    assert t1[0] == ["Method", "B", "Simple", "Multiple", "Parallel", "Parallel multiple", "Overall", "n"]
+    assert [r[0] for r in t1[1:]] == ["Full KV", "PASK", "H2O", "SnapKV"]  # reference first, then paper order
+    assert t1[1][1:] == ["1.000", "80.00", "70.00", "40.00", "30.00", "55.00", "40"]
+    assert t1[2][1] == "0.331" and t1[3][-2] == "30.00"
+    t2 = [cells_of(r) for r in table(md, "Table 2 — Text-to-SQL EX (%) by budget")]
+    assert t2 == [["Method", "B = 0.6", "B = 0.275"], ["PASK", "30.00 (0.602)", "30.00 (0.277)"],
+                  ["KIVI-4", "22.50 (0.599)", "22.50 (0.274)"]]  # fmt: skip
+    assert "Full KV: 32.50 (B = 1.000, n = 40)." in md
+    t9 = [cells_of(r) for r in table(md, "Table 9 — target vs measured budget B (qwen2.5-coder-0.5b, BFCL")]
+    assert t9[0] == ["Method", "target 0.33", "target 0.25", "max abs. deviation"]
+    assert t9[1] == ["PASK", "0.331", "0.252", "0.002"] and [r[0] for r in t9[2:]] == ["H2O", "SnapKV"]
+    t17 = [cells_of(r) for r in table(md, "Table 17 — PASK ablation at B = 0.33")]
+    assert [r[0] for r in t17[1:]] == ["Full KV", "Prefill only", "Decode only", "Prefill + decode (PASK)"]
+    assert "Table 17" not in md.split("Text-to-SQL")[1]  # no ablation cells for SQL
+    assert "Table 12 — Text-to-SQL EX (%) by difficulty, B = 0.6" in md
+
+
+def test_csv_has_every_cell(results):
+    rows = list(csv.DictReader(io.StringIO(csv_text(collect(results)))))
+    assert len(rows) == 12
+    pask = next(r for r in rows if r["task"] == "bfcl" and r["policy"] == "pask" and r["target_budget"] == "0.33")
+    assert pask["measured_b"] == "0.3310" and pask["accuracy"] == "52.50" and pask["acc:parallel"] == "30.00"
+    sql = next(r for r in rows if r["task"] == "sql" and r["policy"] == "kivi-4" and r["target_budget"] == "0.275")
+    assert sql["acc:extra"] == "0.00" and sql["acc:simple"] == "" and sql["n"] == "40"
+
+
+def test_report_is_deterministic(results, tmp_path):
+    a = write_report(results, tmp_path / "a")
+    b = write_report(results, tmp_path / "b")
+    assert a.markdown.read_bytes() == b.markdown.read_bytes() and a.csv.read_bytes() == b.csv.read_bytes()
+    copy = tmp_path / "copy"  # same results written in another order, other timings: same tables
+    for cell in sorted((p.parent for p in results.rglob("summary.json")), reverse=True):
+        dest = copy / cell.relative_to(results)
+        shutil.copytree(cell, dest)
+        man = json.loads((dest / "cell.json").read_text())
+        (dest / "cell.json").write_text(json.dumps({**man, "wall_s": 99.0}))
+    c = write_report(copy, tmp_path / "c")
+    assert c.markdown.read_bytes() == a.markdown.read_bytes() and c.csv.read_bytes() == a.csv.read_bytes()
+    assert {p.path.name for p in a.plots} == {p.path.name for p in c.plots}
+
+
+def test_plots_are_pngs_with_the_expected_series(results, tmp_path):
+    import matplotlib.image
+
+    bfcl = [c for c in collect(results) if c.task == "bfcl"]
+    fig3 = plot_accuracy_vs_budget(bfcl, tmp_path / "fig3.png")
+    assert fig3.series == ["Full KV", "PASK", "H2O", "SnapKV"]
+    bars = plot_category_bars(bfcl, tmp_path / "bars.png", budget=0.33)
+    assert bars.series == ["Full KV", "PASK", "H2O", "SnapKV"]
+    assert plot_category_bars(bfcl, tmp_path / "none.png", budget=0.9) is None  # no cell near B = 0.9
+    for plot in (fig3, bars):
+        assert plot.path.read_bytes()[:8] == PNG
+        img = matplotlib.image.imread(plot.path)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_calibration_scatter(tmp_path):
+    import matplotlib.image
+
+    buckets = [
+        {"bucket": "P|schema_scaffold|g0", "V": {"L": 0.0, "R": 0.5}, "D": {"L": 0.01, "R": 0.3}},
+        {"bucket": "D|x|g1", "V": {"L": 1.0, "R": 2.0}, "D": {"L": 0.02, "R": None}},
+    ]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"model": {"name": "m"}, "task": "bfcl", "calibration": {"buckets": buckets}}))
+    plot = plot_sensitivity_vs_distortion(path, tmp_path / "fig9.png")
+    assert plot.series == ["L (INT4)", "R (release)"]
+    assert plot.path.read_bytes()[:8] == PNG and matplotlib.image.imread(plot.path).ndim == 3
+    path.write_text(json.dumps({"actions": {}}))
+    with pytest.raises(PaskError, match=r"no calibration\.buckets"):
+        plot_sensitivity_vs_distortion(path, tmp_path / "x.png")
+    with pytest.raises(PaskError, match="does not exist"):
+        plot_sensitivity_vs_distortion(tmp_path / "missing.json", tmp_path / "x.png")
+
+
+def test_unfinished_cells_are_marked(tmp_path):
+    make_cell(tmp_path, "bfcl", "full", None, 1.0, [8, 7, 4, 3])
+    make_cell(tmp_path, "bfcl", "h2o", 0.33, 0.33, [5, 5, 1, 1], status="running")
+    md = markdown(collect(tmp_path))
+    assert "| H2O * |" in md and "unfinished cell: qwen2.5-coder-0.5b/bfcl/test/h2o-b0.33" in md
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(PaskError, match="no result cells"):
+        collect(tmp_path)
+    with pytest.raises(PaskError, match="does not exist"):
+        collect(tmp_path / "nope")
+    cell = make_cell(tmp_path, "bfcl", "full", None, 1.0, [8, 7, 4, 3])
+    with pytest.raises(PaskError, match=r"bars-budget"):
+        write_report(tmp_path, tmp_path / "out", bars_budget=0.0)
+    (cell / "summary.json").write_text("{not json")
+    with pytest.raises(PaskError, match="not valid JSON"):
+        collect(tmp_path)
+    (cell / "summary.json").write_text(json.dumps({"measured_b": 1.0}))
+    with pytest.raises(PaskError, match="without an 'overall' record"):
+        collect(tmp_path)
+
+
+def test_cli_report(results, tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["report", str(results), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    assert "Table 1 — BFCL" in res.output and (tmp_path / "rep" / "cells.csv").exists()
+    assert sorted(p.name for p in (tmp_path / "rep").glob("*.png")) == [
+        "bars-qwen2.5_coder_0.5b-bfcl-test.png",
+        "fig3-qwen2.5_coder_0.5b-bfcl-test.png",
+        "fig3-qwen2.5_coder_0.5b-sql-test.png",
+    ]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = runner.invoke(app, ["report", str(empty)])
+    assert res.exit_code == 2 and "no result cells" in res.output and "Traceback" not in res.output

@@ -1,0 +1,207 @@
+"""Text-to-SQL evaluation: per-case JSONL, resume, Table 12 summary, measured B, CLI and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pask.calibration.table import FrozenTable
+from pask.cli import app, make_policy
+from pask.engine import Generation
+from pask.errors import PaskError
+from pask.evaluation.run_sql import database, run_sql, score, select_cases, summarize, table_markdown
+from pask.evaluation.sql_exec import execution_match
+from pask.policies.pask import make_pask_policy
+from pask.tasks.text_to_sql import DEFAULT_DATA_DIR
+
+runner = CliRunner()
+HEADER = "| Model | Method | B | Easy EX | Medium EX | Hard EX | Extra EX | Overall EX |"
+FIELDS = {"id", "db_id", "difficulty", "prompt_len", "output", "correct", "error", "stop_reason", "n_generated"}
+FIELDS |= {"prefill_ms", "tpot_ms", "budget"}
+MAX_NEW = 16
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "cases.jsonl").read_text().splitlines()]
+
+
+def _check_rows(rows: list[dict], cases) -> None:
+    by_id = {c.id: c for c in cases}
+    assert sorted(r["id"] for r in rows) == sorted(by_id)
+    for r in rows:
+        c = by_id[r["id"]]
+        assert set(r) >= FIELDS and (r["db_id"], r["difficulty"]) == (c.db_id, c.difficulty)
+        assert r["prompt_len"] > 100 and 0 < r["n_generated"] <= MAX_NEW
+        assert r["stop_reason"] in ("grammar", "eos", "length")
+        assert r["output"].lstrip().upper().startswith("SELECT")  # the grammar held
+        res = execution_match(database(c.db_id).path, r["output"].strip(), c.gold_sql)
+        assert (r["correct"], r["error"]) == (res.correct, res.error)
+
+
+@pytest.fixture(scope="module")
+def cases():
+    """Three test-split questions on the database with the shortest prompt (2 easy, 1 medium)."""
+    return [c for c in select_cases("test") if c.db_id == "poker_player"][:6:2]
+
+
+def test_full_kv_rows_resume_and_summary(smol, cases, tmp_path):
+    first = run_sql(smol, cases[:2], tmp_path, batch_size=3, max_new_tokens=MAX_NEW)
+    assert first["run"]["cases_this_run"] == 2 and first["overall"]["n"] == 2
+    seen: list[int] = []
+    summary = run_sql(smol, cases, tmp_path, batch_size=3, max_new_tokens=MAX_NEW, progress=seen.append)
+    assert summary["run"]["cases_this_run"] == 1 and seen == [2, 1]  # only the new case ran
+    rows = _rows(tmp_path)
+    _check_rows(rows, cases)
+    assert all(r["budget"] is None for r in rows)
+    again = run_sql(smol, cases, tmp_path, batch_size=3, max_new_tokens=MAX_NEW, meta={"model": "m", "policy": "full"})
+    assert again["run"]["cases_this_run"] == 0 and len(_rows(tmp_path)) == 3  # nothing new, no duplicates
+    assert summary["measured_b"] == 1.0
+    levels = summary["difficulties"]
+    assert list(levels) == ["easy", "medium", "hard", "extra"]
+    assert {d: b["n"] for d, b in levels.items()} == {"easy": 2, "medium": 1, "hard": 0, "extra": 0}
+    assert summary["overall"]["correct"] == sum(r["correct"] for r in rows)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["difficulties"] == levels and saved["run"]["model"] == "m"
+    md = (tmp_path / "summary.md").read_text()
+    assert HEADER in md and "| m | full | 1.000 |" in md and "|  |  | n | 2 | 1 | 0 | 0 | 3 |" in md
+
+
+def test_tiered_policy_measured_budget_and_tags(smol, cases, tmp_path):
+    cases = cases[:2]
+    policy = make_policy("kivi-4", 0.5)
+    summary = run_sql(smol, cases, tmp_path, batch_size=2, max_new_tokens=MAX_NEW, policy=policy, save_tags=True)
+    rows = _rows(tmp_path)
+    _check_rows(rows, cases)
+    b = [r["budget"]["b_total"] for r in rows]
+    assert all(0 < x < 1 for x in b)
+    assert summary["measured_b"] == pytest.approx(sum(b) / len(b), abs=1e-4)
+    assert abs(summary["measured_b"] - 0.5) < 0.1
+    for r in rows:
+        assert len(r["tags"]) == r["n_generated"] and len(r["prompt_labels"]) == r["prompt_len"]
+        assert {"function_name", "parameter_key", "type_constraint", "protected_content"} <= set(r["prompt_labels"])
+        assert r["tags"][0].startswith("pure_scaffold|projection|boundary")  # SELECT opens the projection
+
+
+def test_pask_policy_reads_sql_prompt_labels(smol, cases, tmp_path):
+    actions = {"P|schema_scaffold|g0": "R", "P|parameter_key|g1": "L"}
+    policy = make_pask_policy(FrozenTable(actions, smol.fingerprint, task="sql"))
+    summary = run_sql(smol, cases[:1], tmp_path / "run", max_new_tokens=MAX_NEW, policy=policy)
+    (row,) = _rows(tmp_path / "run")
+    assert row["tags"] is None and 0.5 < row["budget"]["b_prompt"] < 1  # labels reached the policy
+    assert summary["measured_b"] == round(row["budget"]["b_total"], 4)
+    bfcl = FrozenTable(actions, smol.fingerprint, task="bfcl").save(tmp_path / "bfcl.json")
+    args = ["--model", "smollm2-135m", "--dtype", "fp32", "--threads", "1", "--limit", "1", "--out", str(tmp_path)]
+    res = runner.invoke(app, ["eval", "sql", "--policy", "pask", "--table", str(bfcl), *args])
+    assert res.exit_code == 2 and "calibrated for task 'bfcl', not 'sql'" in res.output
+
+
+def test_score_and_summary_layout():
+    case = select_cases("test", limit=1)[0]
+    path = database(case.db_id).path
+
+    def gen(text: str, stop: str = "grammar") -> Generation:
+        return Generation(text, [1] * 3, 50, stop, 1.0, 2.0)
+
+    assert score(case, gen(case.gold_sql), path).correct
+    assert score(case, gen("SELECT count(*) FROM stadium"), path).error is None
+    bad = score(case, gen("SELECT nope FROM singer", "length"), path)
+    assert not bad.correct and "no such column" in bad.error
+    assert score(case, gen("  "), path).error == "empty output"
+    rows = [
+        {"difficulty": "easy", "correct": True, "error": None, "stop_reason": "grammar", "budget": {"b_total": 0.4}},
+        {"difficulty": "easy", "correct": False, "error": "x", "stop_reason": "length", "budget": {"b_total": 0.6}},
+        {"difficulty": "extra", "correct": True, "error": None, "stop_reason": "eos", "budget": None},
+    ]
+    s = summarize(rows)
+    assert s["difficulties"]["easy"] == {"n": 2, "correct": 1, "ex": 50.0}
+    assert s["difficulties"]["hard"] == {"n": 0, "correct": 0, "ex": None}
+    assert s["overall"]["ex"] == 66.67 and s["overall"]["exec_errors"] == 1 and s["overall"]["truncated"] == 1
+    assert s["measured_b"] == 0.5  # mean over the cases that ran a policy
+    md = table_markdown(s, {"model": "q", "policy": "h2o", "command": "pask eval sql"})
+    assert "| q | h2o | 0.500 | 50.00 | – | – | 100.00 | 66.67 |" in md and md.startswith("Command: `pask eval sql`")
+
+
+def test_cli_eval_sql(tmp_path):
+    out = tmp_path / "run"
+    args = ["eval", "sql", "--model", "smollm2-135m", "--dtype", "fp32", "--limit", "1", "--max-new-tokens", "8"]
+    res = runner.invoke(app, [*args, "--threads", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert HEADER in res.output and "smollm2-135m" in res.output
+    assert len(_rows(out)) == 1 and (out / "summary.md").read_text().count(HEADER) == 1
+    assert json.loads((out / "summary.json").read_text())["run"]["split"] == "test"
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> Path:
+    """A two-database copy of the Spider dev layout (3 questions each)."""
+    d = tmp_path / "data"
+    dbs = ("concert_singer", "pets_1")
+    dev = json.loads((DEFAULT_DATA_DIR / "dev.json").read_text())
+    questions = [e for db in dbs for e in [x for x in dev if x["db_id"] == db][:3]]
+    tables = [t for t in json.loads((DEFAULT_DATA_DIR / "tables.json").read_text()) if t["db_id"] in dbs]
+    d.mkdir()
+    (d / "dev.json").write_text(json.dumps(questions))
+    (d / "tables.json").write_text(json.dumps(tables))
+    for db in dbs:
+        (d / "database" / db).mkdir(parents=True)
+        shutil.copyfile(DEFAULT_DATA_DIR / "database" / db / f"{db}.sqlite", d / "database" / db / f"{db}.sqlite")
+    return d
+
+
+def _cli_error(*args: str) -> str:
+    res = runner.invoke(app, ["eval", "sql", "--model", "no-model-needed", *args])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    return " ".join(res.output.split())  # rich wraps long lines
+
+
+def test_custom_data_dir_loads(data_dir):
+    cases = [c for s in ("calibration", "dev", "test") for c in select_cases(s, data_dir=data_dir)]
+    assert len(cases) == 6 and {c.db_id for c in cases} == {"concert_singer", "pets_1"}
+
+
+def test_missing_database_file(data_dir):
+    (data_dir / "database" / "pets_1" / "pets_1.sqlite").unlink()
+    with pytest.raises(PaskError, match=r"database file not found: .*pets_1\.sqlite"):
+        select_cases("test", data_dir=data_dir)
+    assert "database file not found" in _cli_error("--data-dir", str(data_dir))
+
+
+def test_file_that_is_not_sqlite(data_dir):
+    (data_dir / "database" / "pets_1" / "pets_1.sqlite").write_text("CREATE TABLE t (x);\n")
+    assert "not a SQLite database" in _cli_error("--data-dir", str(data_dir))
+
+
+def test_question_on_unknown_database(data_dir):
+    dev = json.loads((data_dir / "dev.json").read_text())
+    dev[4]["db_id"] = "no_such_db"
+    (data_dir / "dev.json").write_text(json.dumps(dev))
+    assert "question dev-0004: unknown db_id 'no_such_db'" in _cli_error("--data-dir", str(data_dir))
+
+
+@pytest.mark.parametrize("name", ["dev.json", "tables.json"])
+def test_data_dir_lacking_a_file(data_dir, name):
+    (data_dir / name).unlink()
+    msg = _cli_error("--data-dir", str(data_dir))
+    assert "missing text-to-SQL data file" in msg and name in msg
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "1.5"], "--budget must be in (0, 1], got 1.5"),
+        (["--budget", "0"], "--budget must be in (0, 1], got 0.0"),
+        (["--policy", "magic", "--budget", "0.5"], "unknown policy 'magic'"),
+        (["--policy", "pask"], "--policy pask needs --table"),
+        (["--split", "train"], "unknown split 'train'"),
+        (["--limit", "0"], "--limit must be >= 1"),
+    ],
+)
+def test_bad_options(args, message):
+    assert message in _cli_error("--limit", "2", *args)

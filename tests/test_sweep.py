@@ -1,0 +1,365 @@
+"""Sweeps: config expansion and checks, resume after a kill, refusal of foreign cells, Ray == in-process."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import pask.sweep as sweep
+from pask.errors import PaskError
+from pask.evaluation.run_bfcl import read_done, run_bfcl, summarize
+from pask.sweep import TASKS, TaskSpec, load_config, parse_config, run_sweep
+
+TIMING = ("prefill_ms", "tpot_ms")
+
+
+# -- a model-free task for the bookkeeping tests ----------------------------------------------------
+def _fake_cases(split: str, options: dict) -> list:
+    return [SimpleNamespace(id=f"case{i}", category="simple") for i in range(options["n"])]
+
+
+def _fake_run(lm, cases, out_dir, batch_size, max_new_tokens, policy, progress, meta, save_tags):
+    """Resumable like the real runners: one JSONL row per case, summary at the end."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "cases.jsonl"
+    done = read_done(jsonl)
+    todo = [c for c in cases if c.id not in done]
+    if progress:
+        progress(len(cases) - len(todo))
+    with open(jsonl, "a") as f:
+        for c in todo:
+            assert lm is not None, "the runner was asked to generate without a model"
+            _fake_run.calls.append(c.id)
+            row = {"id": c.id, "category": "simple", "correct": c.id.endswith(("0", "2")), "valid": True}
+            f.write(json.dumps({**row, "stop_reason": "eos", "budget": None}) + "\n")
+            f.flush()
+            if progress:
+                progress(1)
+    rows = [r for r in read_done(jsonl).values() if r["id"] in {c.id for c in cases}]
+    summary = summarize(rows)
+    (out_dir / "summary.json").write_text(json.dumps(summary) + "\n")
+    return summary
+
+
+_fake_run.calls = []
+FAKE = TaskSpec(
+    name="fake",
+    runner=_fake_run,
+    loader=_fake_cases,
+    splits=("test",),
+    defaults={"n": 4, "limit": None, "batch_size": 1, "max_new_tokens": 8, "save_tags": False, "allow_transfer": False},
+    hashed=("n", "max_new_tokens"),
+)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setitem(TASKS, "fake", FAKE)
+    _fake_run.calls = []
+    return _fake_run.calls
+
+
+def fake_config(tmp_path: Path, **over) -> dict:
+    cfg = {
+        "results_dir": str(tmp_path / "res"),
+        "models": ["smollm2-135m"],
+        "tasks": ["fake"],
+        "splits": ["test"],
+        "policies": ["full", "kivi-4"],
+        "budgets": [0.5],
+        "fake": {"n": 4},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def no_model(model: str, dtype: str):
+    return SimpleNamespace(name=model, fingerprint="none")
+
+
+# -- config --------------------------------------------------------------------------------------------
+def test_config_expands_products_and_grids(tmp_path, fake):
+    data = fake_config(
+        tmp_path,
+        models=["smollm2-135m", "qwen2.5-coder-0.5b"],
+        policies=["full", "h2o"],
+        budgets=[0.5, 0.25],
+        grid=[{"models": ["smollm2-135m"], "policies": ["kivi-4", "full"], "budgets": [0.33]}],
+        threads=3,
+    )
+    cfg = parse_config(data, tmp_path)
+    names = [c.name for c in cfg.cells]
+    assert names == [
+        "smollm2-135m/fake/test/full-b1",  # full once per (model, task, split), whatever the budgets
+        "smollm2-135m/fake/test/h2o-b0.5",
+        "smollm2-135m/fake/test/h2o-b0.25",
+        "smollm2-135m/fake/test/kivi-4-b0.33",  # grid cells join their model's group (loaded once)
+        "qwen2.5-coder-0.5b/fake/test/full-b1",
+        "qwen2.5-coder-0.5b/fake/test/h2o-b0.5",
+        "qwen2.5-coder-0.5b/fake/test/h2o-b0.25",
+    ]
+    assert {c.threads for c in cfg.cells} == {3}
+    assert parse_config(data, tmp_path, threads=1).cells[0].threads == 1  # --threads wins
+    assert cfg.results_dir == tmp_path / "res"
+    a, b = parse_config(data, tmp_path).cells[1], parse_config({**data, "fake": {"n": 5}}, tmp_path).cells[1]
+    assert a.config_hash() != b.config_hash()  # result-changing option
+    c = parse_config({**data, "fake": {"n": 4, "batch_size": 4}}, tmp_path).cells[1]
+    assert a.config_hash() == c.config_hash()  # batch size does not change results
+
+
+def test_config_file_relative_paths(tmp_path, fake):
+    (tmp_path / "s.toml").write_text(
+        'results_dir = "out"\nmodels = ["smollm2-135m"]\ntasks = ["fake"]\nsplits = ["test"]\npolicies = ["full"]\n'
+    )
+    cfg = load_config(tmp_path / "s.toml")
+    assert cfg.results_dir == tmp_path / "out" and len(cfg.cells) == 1 and cfg.sha256
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"results_dir": None}, "missing 'results_dir'"),
+        ({"models": None}, "missing key 'models'"),
+        ({"budgets": None}, "missing key 'budgets'"),
+        ({"tasks": ["nope"]}, "unknown task 'nope'"),
+        ({"policies": ["full", "nope"]}, "unknown policy 'nope'"),
+        ({"models": ["no-such-model"]}, "unknown model 'no-such-model'"),
+        ({"budgets": [0.0]}, "budgets must be in (0, 1]"),
+        ({"budgets": [1.5]}, "budgets must be in (0, 1]"),
+        ({"splits": ["train"]}, "unknown split"),
+        ({"policies": []}, "'policies' must be a non-empty list"),
+        ({"colour": "red"}, "unknown config key"),
+        ({"fake": {"n": 4, "limt": 3}}, "unknown option"),
+        ({"fake": {"n": 4, "batch_size": 0}}, "batch_size must be an integer >= 1"),
+        ({"dtype": "fp8"}, "unknown dtype"),
+        ({"policies": ["pask"]}, "needs a table"),
+        ({"grid": [{"models": ["smollm2-135m"], "budget": [0.5]}]}, "unknown key"),
+    ],
+)
+def test_config_errors(tmp_path, fake, change, message):
+    data = fake_config(tmp_path)
+    for k, v in change.items():
+        if v is None:
+            data.pop(k)
+        else:
+            data[k] = v
+    with pytest.raises(PaskError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(data, tmp_path)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(PaskError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("models = [")
+    with pytest.raises(PaskError, match="not valid TOML"):
+        load_config(tmp_path / "bad.toml")
+
+
+def test_pask_table_lookup(tmp_path, fake):
+    data = fake_config(tmp_path, policies=["pask"], budgets=[0.33])
+    data["fake"] = {"n": 4, "tables": {"smollm2-135m": {"0.33": "missing.json"}}}
+    with pytest.raises(PaskError, match=r"missing\.json .* does not exist"):
+        parse_config(data, tmp_path)
+
+
+def test_pask_cells_build_the_table_policy(tmp_path, fake, smol):
+    """pask / pask-prefill / pask-decode take the table of their (model, budget); a new table is a new config."""
+    from pask.calibration.table import FrozenTable
+    from pask.policies.pask import PaskPolicy
+
+    table = FrozenTable(actions={}, fingerprint=smol.fingerprint, model_name="smollm2-135m", target_b=0.4)
+    table.save(tmp_path / "t.json")
+    data = fake_config(tmp_path, policies=["pask", "pask-prefill", "pask-decode"], budgets=[0.4])
+    data["fake"] = {"n": 4, "tables": {"smollm2-135m": {"0.4": "t.json"}}}
+    cells = parse_config(data, tmp_path).cells
+    policies = [sweep.make_cell_policy(c, smol) for c in cells]
+    assert all(isinstance(p, PaskPolicy) for p in policies)
+    assert [(p.prefill, p.decode) for p in policies] == [(True, True), (True, False), (False, True)]
+    before = cells[0].config_hash()
+    FrozenTable(actions={}, fingerprint=smol.fingerprint, target_b=0.4, default_action="L").save(tmp_path / "t.json")
+    assert parse_config(data, tmp_path).cells[0].config_hash() != before
+    data["budgets"] = [0.5]
+    data["fake"]["tables"]["smollm2-135m"]["0.5"] = "t.json"
+    with pytest.raises(PaskError, match=r"calibrated for B = 0\.4"):
+        parse_config(data, tmp_path)
+
+
+# -- running: resume, skip, refuse ------------------------------------------------------------------
+def rows_of(cell_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (cell_dir / "cases.jsonl").read_text().splitlines()]
+
+
+def test_sweep_runs_skips_and_records(tmp_path, fake):
+    cfg = parse_config(fake_config(tmp_path), tmp_path)
+    seen = []
+    record = run_sweep(cfg, load=no_model, progress=lambda d, t, c: seen.append((d, t)))
+    assert sorted(fake) == sorted([f"case{i}" for i in range(4)] * 2)
+    assert seen[-1] == (8, 8) and all(d <= t for d, t in seen)
+    assert set(record["cells"]) == {"smollm2-135m/fake/test/full-b1", "smollm2-135m/fake/test/kivi-4-b0.5"}
+    assert json.loads((cfg.results_dir / "sweep.json").read_text())["cells"] == record["cells"]
+    man = json.loads((cfg.results_dir / "smollm2-135m/fake/test/kivi-4-b0.5/cell.json").read_text())
+    assert man["status"] == "done" and man["code_version"]["key"] and man["config_hash"] == cfg.cells[1].config_hash()
+    assert man["runs"][0]["cases_run"] == 4 and man["wall_s"] >= 0
+    fake.clear()
+    record = run_sweep(cfg, load=lambda *a: pytest.fail("a finished sweep must not load a model"))
+    assert fake == [] and {c["state"] for c in record["cells"].values()} == {"done"}
+
+
+def test_refuses_other_config_or_code_version(tmp_path, fake, monkeypatch):
+    run_sweep(parse_config(fake_config(tmp_path), tmp_path), load=no_model)
+    changed = parse_config(fake_config(tmp_path, fake={"n": 4, "max_new_tokens": 9}), tmp_path)
+    with pytest.raises(PaskError, match=r"(?s)2 cell.*another configuration.*--force"):
+        run_sweep(changed, load=no_model)
+    version = sweep.code_version()
+    monkeypatch.setattr(sweep, "code_version", lambda: {**version, "key": "0" * 40})
+    same = parse_config(fake_config(tmp_path), tmp_path)
+    with pytest.raises(PaskError, match="code version"):
+        run_sweep(same, load=no_model)
+    fake.clear()
+    record = run_sweep(same, load=no_model, overwrite=True)  # --force: delete and rerun
+    assert len(fake) == 8 and {c["state"] for c in record["cells"].values()} == {"new"}
+    man = json.loads((same.results_dir / same.cells[0].rel_dir / "cell.json").read_text())
+    assert man["code_version"]["key"] == "0" * 40 and len(man["runs"]) == 1
+
+
+def test_dry_run_lists_states(tmp_path, fake):
+    cfg = parse_config(fake_config(tmp_path), tmp_path)
+    assert [p.state for p in sweep.plan(cfg, sweep.code_version(), dry_run=True)] == ["new", "new"]
+    run_sweep(cfg, load=no_model)
+    changed = parse_config(fake_config(tmp_path, policies=["full", "kivi-4"], fake={"n": 3}), tmp_path)
+    plans = sweep.plan(changed, sweep.code_version(), dry_run=True)
+    assert [p.state for p in plans] == ["refused", "refused"]
+    assert all((p.dir / "cell.json").exists() for p in plans)  # a dry run deletes nothing
+    assert sweep.code_version() == sweep.code_version() and sweep.code_version()["key"]
+
+
+def test_cli_sweep(tmp_path):
+    from typer.testing import CliRunner
+
+    from pask.cli import app
+
+    (tmp_path / "s.toml").write_text(
+        'results_dir = "out"\nmodels = ["smollm2-135m"]\ntasks = ["bfcl"]\nsplits = ["test"]\n'
+        'policies = ["full", "h2o"]\nbudgets = [0.5]\n[bfcl]\ncategories = ["simple"]\nlimit = 2\n'
+    )
+    res = CliRunner().invoke(app, ["sweep", "--config", str(tmp_path / "s.toml"), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "new" in res.output and "smollm2-135m/bfcl/test/h2o-b0.5" in res.output and "0/2" in res.output
+    (tmp_path / "s.toml").write_text('results_dir = "out"\nmodels = ["smollm2-135m"]\n')
+    res = CliRunner().invoke(app, ["sweep", "--config", str(tmp_path / "s.toml")])
+    assert res.exit_code == 2 and "missing key 'tasks'" in res.output and "Traceback" not in res.output
+
+
+def test_refuses_results_not_made_by_a_sweep(tmp_path, fake):
+    cfg = parse_config(fake_config(tmp_path), tmp_path)
+    cell_dir = cfg.results_dir / cfg.cells[0].rel_dir
+    cell_dir.mkdir(parents=True)
+    (cell_dir / "cases.jsonl").write_text('{"id": "case0"}\n')
+    with pytest.raises(PaskError, match=r"without cell\.json"):
+        run_sweep(cfg, load=no_model)
+    assert (cell_dir / "cases.jsonl").exists()  # nothing deleted without --force
+
+
+def test_folds_in_rows_of_an_interrupted_ray_run(tmp_path, fake):
+    """Rows a killed Ray run left in shard dirs count; the shards are removed; no case runs twice."""
+    cfg = parse_config(fake_config(tmp_path, policies=["full"]), tmp_path)
+    (p,) = sweep.plan(cfg, sweep.code_version())
+    sweep.start_cell(p, sweep.code_version(), "ray")
+    shard = p.dir / sweep.SHARDS_DIR / "0001"
+    shard.mkdir(parents=True)
+    row = {"id": "case3", "category": "simple", "correct": False, "valid": True, "stop_reason": "eos", "budget": None}
+    (shard / "cases.jsonl").write_text(json.dumps(row) + "\n" + '{"id": "case1", "cat')  # torn last line
+    (p,) = sweep.plan(cfg, sweep.code_version())
+    assert (p.state, p.n_done) == ("resume", 1)
+    run_sweep(cfg, load=no_model)
+    assert sorted(fake) == ["case0", "case1", "case2"]
+    assert sorted(r["id"] for r in rows_of(p.dir)) == [f"case{i}" for i in range(4)]
+    assert not (p.dir / sweep.SHARDS_DIR).exists()
+
+
+# -- real model: killed mid-cell, then resumed ------------------------------------------------------
+def smol_config(tmp_path: Path, **over) -> dict:
+    cfg = {
+        "results_dir": str(tmp_path / "res"),
+        "dtype": "fp32",
+        "threads": 1,
+        "models": ["smollm2-135m"],
+        "tasks": ["bfcl"],
+        "splits": ["test"],
+        "policies": ["full"],
+        "bfcl": {"categories": ["simple"], "limit": 3, "batch_size": 1, "max_new_tokens": 8},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def test_resume_after_kill_mid_cell(tmp_path, smol, monkeypatch):
+    """A sweep killed after k cases keeps them; the rerun adds the rest: every case exactly once."""
+    k = 1
+
+    def killed_after_k(lm, cases, out_dir, *args, **kwargs):
+        progress, done = args[3], {"n": 0, "first": True}
+
+        def advance(n: int) -> None:
+            progress(n)
+            if done.pop("first", False):
+                return  # the runner's first call reports cases already done
+            done["n"] += n
+            if done["n"] >= k:
+                raise KeyboardInterrupt("killed")
+
+        return run_bfcl(lm, cases, out_dir, *args[:3], advance, *args[4:], **kwargs)
+
+    monkeypatch.setitem(TASKS, "bfcl", replace(TASKS["bfcl"], runner=killed_after_k))
+    cfg = parse_config(smol_config(tmp_path), tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(cfg, load=lambda m, d: smol)
+    cell_dir = cfg.results_dir / cfg.cells[0].rel_dir
+    assert json.loads((cell_dir / "cell.json").read_text())["status"] == "running"
+    assert json.loads((cfg.results_dir / "sweep.json").read_text())["cells"][cfg.cells[0].name]["state"] == "unfinished"
+    assert len(rows_of(cell_dir)) == k
+    with open(cell_dir / "cases.jsonl", "a") as f:
+        f.write('{"id": "simple_python_9", "category": "sim')  # killed mid-write
+    monkeypatch.undo()
+    record = run_sweep(cfg, load=lambda m, d: smol)
+    ids = [r["id"] for r in rows_of(cell_dir)]
+    expected = [c.id for c in cfg.cells[0].load_cases()]
+    assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids)) == 3
+    summary = json.loads((cell_dir / "summary.json").read_text())
+    assert summary["overall"]["n"] == 3
+    cell = record["cells"][cfg.cells[0].name]
+    assert cell["state"] == "resume" and cell["cases_run"] == 3 - k
+    man = json.loads((cell_dir / "cell.json").read_text())
+    assert man["status"] == "done" and [r["cases_before"] for r in man["runs"]] == [0, k]
+
+
+# -- Ray ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ray_matches_in_process(tmp_path, smol):
+    """Cells run as sharded Ray tasks on a local 2-CPU Ray instance give the in-process rows."""
+    ray = pytest.importorskip("ray")
+    data = smol_config(tmp_path, policies=["full", "kivi-4"], budgets=[0.5])
+    data["bfcl"] = {"categories": ["simple", "multiple"], "limit": 1, "batch_size": 2, "max_new_tokens": 12}
+    local = parse_config(data, tmp_path)
+    run_sweep(local, load=lambda m, d: smol)
+    remote = parse_config(data, tmp_path, results_dir=tmp_path / "ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        record = run_sweep(remote, ray_address="auto", shard_size=1)
+    finally:
+        ray.shutdown()
+    assert record["mode"] == "ray"
+    for cell in local.cells:
+        a, b = (read_done(cfg.results_dir / cell.rel_dir / "cases.jsonl") for cfg in (local, remote))
+        strip = lambda rows: {i: {k: v for k, v in r.items() if k not in TIMING} for i, r in rows.items()}  # noqa: E731
+        assert len(a) == 2 and strip(a) == strip(b), cell.name
+        sa, sb = (json.loads((cfg.results_dir / cell.rel_dir / "summary.json").read_text()) for cfg in (local, remote))
+        keys = ("overall", "categories", "measured_b")
+        assert [sa[k] for k in keys] == [sb[k] for k in keys]
+        man = json.loads((remote.results_dir / cell.rel_dir / "cell.json").read_text())
+        assert man["status"] == "done" and man["runs"][-1]["mode"] == "ray" and man["runs"][-1]["shards"] == 2
+        assert not (remote.results_dir / cell.rel_dir / "shards").exists()
