@@ -283,8 +283,23 @@ def bench_kv_cmd(
     repeats: int = 30,
     threads: int = 1,
     as_json: Annotated[bool, typer.Option("--json", help="print the raw JSON result")] = False,
+    policy: Annotated[
+        str | None, typer.Option(help="comma-separated policies: measure their overhead per decode step instead")
+    ] = None,
+    budget: Annotated[float, typer.Option(help="target budget of the --policy runs")] = 0.33,
+    cases: Annotated[int, typer.Option(help="BFCL test cases per category for --policy")] = 2,
+    batch_size: Annotated[int, typer.Option(help="batch size of the --policy runs")] = 8,
+    table: Annotated[Path | None, typer.Option(help="PASK table when --policy includes pask")] = None,
+    out: Annotated[Path | None, typer.Option(help="write JSON + markdown here (--policy mode)")] = None,
 ) -> None:
-    """KV bytes held vs Full KV, cost-model discrepancy, mixed vs full decode-attention time, model step time."""
+    """KV bytes held vs Full KV, cost-model discrepancy, mixed vs full decode-attention time, model step time.
+
+    With ``--policy``: each policy's overhead per decode step on real BFCL cases (decisions, cache
+    actions, the rest of the step), next to Full KV and the all-H tiered cache in the same run.
+    """
+    if policy is not None:
+        _bench_policy_overhead(model, policy, budget, cases, batch_size, threads, table, out)
+        return
     from pask.kv.bench import bench_kv
 
     try:
@@ -593,6 +608,39 @@ def bench_serve_cmd(
     json_path, _ = write(result, out)
     print(markdown(result), end="")
     console.print(f"results: {json_path}")
+
+
+def _bench_policy_overhead(
+    model: str, policy: str, budget: float, cases: int, batch_size: int, threads: int, table, out
+) -> None:
+    from pask.kv.policy_overhead import bench_policy_overhead, overhead_markdown
+    from pask.models import load_model
+    from pask.tasks.function_calling import NON_LIVE, load_cases
+
+    if not 0 < budget <= 1:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if cases < 1 or batch_size < 1:
+        raise PaskError("--cases and --batch-size must be >= 1")
+    names = [p.strip() for p in policy.split(",") if p.strip()]
+    if not names:
+        raise PaskError("--policy needs at least one policy name")
+    for n in names:  # validate every name before the model loads
+        if n == "pask":
+            if table is None:
+                raise PaskError("--policy pask needs --table FILE (made by `pask calibrate`)")
+        elif n != "full":
+            make_policy(n, budget)
+    _threads(threads)
+    lm = load_model(model)
+    test_cases = load_cases(list(NON_LIVE), split="test", limit=cases)
+    result = bench_policy_overhead(lm, names, budget, test_cases, batch_size, table=table)
+    command = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    md = overhead_markdown(result, command)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "policy_overhead.json").write_text(json.dumps({**result, "command": command}, indent=2) + "\n")
+        (out / "policy_overhead.md").write_text(md)
+    print(md)
 
 
 def make_policy(name: str, budget: float | None, config: str | None = None):
