@@ -28,7 +28,7 @@ class Request:
     constraint: Constraint | None = None
     max_new_tokens: int = 256
     parse: Callable[[str], Any] | None = None  # task parser for the final text
-    close_margin: int = 128  # last tokens of the allowance spent closing the structure (see _closers)
+    close_margin: int = 128  # last tokens of the allowance spent closing the structure (see closing_tokens)
     tagger: Any = None  # structural tagger: ``step(token_bytes) -> Tag`` (JsonCallTagger, SqlTagger)
     prompt_labels: list | None = None  # semantic label per prompt token (for policies and --save-tags)
 
@@ -60,7 +60,7 @@ def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config
     eos = set(eos_ids(tok))
     token_bytes = ll_tokenizer(tok, sorted(eos)).decode_bytes
     kv = DenseSession(model, tok.pad_token_id) if policy is None else TieredSession(model, policy, cache_config)
-    closers = _closers(tok, eos)
+    closers = closing_tokens(tok, eos)
 
     try:
         generated, tags, stop, prefill_ms, tpot_ms = _decode(kv, requests, eos, token_bytes, closers)
@@ -68,18 +68,7 @@ def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config
         kv.close()
     results = []
     for i, r in enumerate(requests):
-        text = tok.decode(generated[i], skip_special_tokens=False)
-        g = Generation(text, generated[i], len(r.prompt_ids), stop[i] or "length", prefill_ms, tpot_ms)
-        if r.tagger is not None:
-            g.extra["tags"] = tags[i]
-        if (budget := kv.budget(i)) is not None:
-            g.extra["budget"] = budget
-        if r.parse is not None:
-            try:
-                g.parsed = r.parse(text)
-            except Exception as e:  # the task decides what a parse failure means
-                g.parse_error = str(e)
-        results.append(g)
+        results.append(make_generation(tok, r, generated[i], tags[i], stop[i], prefill_ms, tpot_ms, kv.budget(i)))
     return results
 
 
@@ -96,38 +85,13 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: to
     stop: list[str | None] = [None] * b
     steps, t1 = 0, time.perf_counter()
     while True:
-        logits = logits.float()
+        live = [s is None for s in stop]
+        nxt = pick_tokens(logits, requests, generated, live, bitmask, closers)
         for i, r in enumerate(requests):
-            if r.constraint is not None and stop[i] is None:
-                r.constraint.mask(bitmask, i)
-            else:
-                bitmask[i].fill_(-1)
-        apply_mask(logits, bitmask)
-        nxt = logits.argmax(-1).tolist()
-        for i, r in enumerate(requests):  # near the token limit: close the structure, don't truncate
-            closing = len(generated[i]) >= r.max_new_tokens - r.close_margin
-            if stop[i] is None and r.constraint is not None and closing:
-                legal = torch.isfinite(logits[i, closers]).nonzero()
-                if legal.numel():
-                    nxt[i] = int(closers[legal[0, 0]])
-        for i, r in enumerate(requests):
-            if stop[i] is not None:
-                continue
-            t = nxt[i]
-            if t in eos:
-                stop[i] = "eos"
-            else:
-                generated[i].append(t)
-                if r.tagger is not None:
-                    tags[i].append(r.tagger.step(token_bytes([t])))
-                if r.constraint is not None:
-                    r.constraint.consume(t)
-                    if r.constraint.is_done():
-                        stop[i] = "grammar"
-                if stop[i] is None and len(generated[i]) >= r.max_new_tokens:
-                    stop[i] = "length"
-            if stop[i] is not None:
-                kv.finish(i)
+            if stop[i] is None:
+                stop[i] = accept_token(r, nxt[i], generated[i], tags[i], eos, token_bytes)
+                if stop[i] is not None:
+                    kv.finish(i)
         if all(s is not None for s in stop):
             break
         logits = kv.step([g[-1] if stop[i] is None else None for i, g in enumerate(generated)], tags)
@@ -136,12 +100,80 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: to
     return generated, tags, stop, prefill_ms, tpot_ms
 
 
+def pick_tokens(
+    logits: torch.Tensor,
+    requests: list[Request],
+    generated: list[list[int]],
+    live: list[bool],
+    bitmask: torch.Tensor,
+    closers: torch.Tensor,
+) -> list[int]:
+    """Greedy next token of each row under its grammar (``bitmask`` from ``allocate_mask``, >= rows).
+
+    A live row in its closing phase (the last ``close_margin`` tokens of its allowance) takes the
+    first legal token of ``closers`` instead (see :func:`closing_tokens`). Rows that are not live get
+    an unconstrained argmax (ignored by the caller).
+    """
+    logits = logits.float()
+    for i, r in enumerate(requests):
+        if r.constraint is not None and live[i]:
+            r.constraint.mask(bitmask, i)
+        else:
+            bitmask[i].fill_(-1)
+    apply_mask(logits, bitmask[: len(requests)])
+    nxt = logits.argmax(-1).tolist()
+    for i, r in enumerate(requests):  # near the token limit: close the structure, don't truncate
+        closing = len(generated[i]) >= r.max_new_tokens - r.close_margin
+        if live[i] and r.constraint is not None and closing:
+            legal = torch.isfinite(logits[i, closers]).nonzero()
+            if legal.numel():
+                nxt[i] = int(closers[legal[0, 0]])
+    return nxt
+
+
+def accept_token(r: Request, t: int, generated: list[int], tags: list, eos: set[int], token_bytes) -> str | None:
+    """Record token ``t`` of request ``r`` (tagger, grammar); return its stop reason, or None to go on.
+
+    EOS stops without being recorded; ``generated`` and ``tags`` are extended in place.
+    """
+    if t in eos:
+        return "eos"
+    generated.append(t)
+    if r.tagger is not None:
+        tags.append(r.tagger.step(token_bytes([t])))
+    if r.constraint is not None:
+        r.constraint.consume(t)
+        if r.constraint.is_done():
+            return "grammar"
+    if len(generated) >= r.max_new_tokens:
+        return "length"
+    return None
+
+
+def make_generation(
+    tok, r: Request, generated: list[int], tags: list, stop: str | None, prefill_ms: float, tpot_ms: float, budget=None
+) -> Generation:
+    """The :class:`Generation` of a finished request (text decoded, parsed by its task parser)."""
+    text = tok.decode(generated, skip_special_tokens=False)
+    g = Generation(text, generated, len(r.prompt_ids), stop or "length", prefill_ms, tpot_ms)
+    if r.tagger is not None:
+        g.extra["tags"] = tags
+    if budget is not None:
+        g.extra["budget"] = budget
+    if r.parse is not None:
+        try:
+            g.parsed = r.parse(text)
+        except Exception as e:  # the task decides what a parse failure means
+            g.parse_error = str(e)
+    return g
+
+
 # Closing tokens in the order tried (after EOS and the call-closing marker): quote-first ones
 # before bare brackets, so an open string is closed rather than filled with bracket text.
 CLOSER_TEXTS = ("\n", '"}}', '"}', '"]', '"', "]}}", "]}", "}}", "]", "}")
 
 
-def _closers(tok, eos: set[int]) -> torch.Tensor:
+def closing_tokens(tok, eos: set[int]) -> torch.Tensor:
     """Tokens that end a value or a structure (plus EOS and the call-closing marker).
 
     A request that reaches ``max_new_tokens - close_margin`` takes the first legal one in this

@@ -223,9 +223,10 @@ class TieredCache(Cache):
 
     def __init__(self, model_config, config: CacheConfig | None = None, batch_size: int = 1):
         self.config = config or CacheConfig()
+        self._model_config = model_config
         self.spec = attention_spec(model_config, self.config.quant_group)
-        if batch_size < 1:
-            raise KVCacheError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size < 0:
+            raise KVCacheError(f"batch_size must be >= 0, got {batch_size}")
         self.num_seqs = batch_size
         self.groups = layer_groups(self.spec.num_layers, self.config.num_groups)
         self.group_of = [g for g, r in enumerate(self.groups) for _ in r]
@@ -252,7 +253,7 @@ class TieredCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Logical length: the longest sequence's token count (= all rows' count in a batch of one)."""
-        return max(ix[0].length for ix in self._indices)
+        return max((ix[0].length for ix in self._indices), default=0)
 
     def index(self, seq: int, group: int) -> _GroupIndex:
         self._check_seq(seq)
@@ -392,6 +393,52 @@ class TieredCache(Cache):
         self._indices[seq] = [_GroupIndex() for _ in self.groups]
         self._indices[seq][0].length = 0
         self.dropped[seq] = True
+
+    # -- moving rows between caches (continuous batching) -------------------------------------
+    def adopt(self, other: TieredCache, row: int) -> int:
+        """Move row ``row`` of ``other`` (prefilled) into this cache as its new last row; return its index.
+
+        The row's tier storage and position index move by reference (no copy); ``other`` no longer
+        holds it (its row reads as dropped, and its bytes are not counted there as finished).
+        This cache then decodes (extend mode): rows join a running batch this way.
+        """
+        other._check_seq(row)
+        if other.spec != self.spec or other.config != self.config:
+            raise KVCacheError("adopt needs caches of the same model layout and CacheConfig")
+        if other.mode == "empty":
+            raise KVCacheError(f"row {row} has not been prefilled: nothing to adopt")
+        if self.mode != "extend" and not all(self.dropped):
+            raise KVCacheError("this cache's own rows await their prefill: adopt into a decoding or empty cache")
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            store = theirs.seqs[row] if theirs.is_initialized else None
+            if store is not None:
+                if not mine.is_initialized:
+                    mine.dtype, mine.device = theirs.dtype, theirs.device
+                    mine.seqs = [None] * self.num_seqs
+                    mine.is_initialized = True
+                store.h.stats = store.l.stats = self.stats
+                theirs.seqs[row] = None
+            if mine.is_initialized:
+                mine.seqs.append(store)
+        self._indices.append(other._indices[row])
+        other._indices[row] = [_GroupIndex() for _ in other.groups]
+        other.dropped[row] = True
+        self.dropped.append(False)
+        self.pad_lengths.append(0)
+        self.num_seqs += 1
+        self.mode = "extend"
+        return self.num_seqs - 1
+
+    def compacted(self) -> tuple[TieredCache, dict[int, int]]:
+        """A new cache holding this cache's live rows only (in order), and the map old row -> new row.
+
+        Storage moves by reference; the finished-bytes record and the budget meter carry over.
+        Rebuilding a running batch this way stops dropped rows from being fed at every step.
+        """
+        new = TieredCache(self._model_config, self.config, batch_size=0)
+        rows = {b: new.adopt(self, b) for b in range(self.num_seqs) if not self.dropped[b]}
+        new._finished, new.meter = self._finished, self.meter
+        return new, rows
 
     # -- bytes --------------------------------------------------------------------------------
     def _seq_bytes(self, seq: int) -> tuple[list[int], list[int]]:

@@ -139,38 +139,14 @@ class TieredSession:
         return out.logits[:, -1]
 
     def _decide(self, decide, row: int, tags: list, extra: dict | None = None) -> None:
-        """Ask the policy about the positions that left the recent window since the last call.
-
-        ``extra``: the statistics the policy asked for (SeqContext fields).
-        """
-        cache, start = self.cache, self.decided[row]
-        limit = max(0, cache.seq_length(row) - cache.config.recent_window)
-        leaving = torch.arange(start, max(start, limit), dtype=torch.long)
-        ctx = SeqContext(
-            seq=row,
-            prompt_len=cache.prompt_length(row),
-            length=cache.seq_length(row),
-            recent_window=cache.config.recent_window,
-            num_groups=len(cache.groups),
-            leaving=leaving,
-            token_ids=self.history[row],
-            tags=tags,
-            prompt_labels=self.requests[row].prompt_labels,
-            groups=cache.groups,
-            int4_cost=self.int4_cost,
-            tier_fn=lambda: torch.stack([cache.tiers(row, g) for g in range(len(cache.groups))]),
-            **(extra or {}),
+        """Ask the policy about the positions that left the recent window since the last call."""
+        labels = self.requests[row].prompt_labels
+        self.decided[row] = decide_row(
+            self.cache, row, decide, self.decided[row], self.history[row], tags, labels, self.int4_cost, extra
         )
-        for group, positions, action in decide(ctx):
-            cache.apply(row, group, positions, action)
-        if leaving.numel():
-            self.decided[row] = int(leaving[-1]) + 1
 
     def _row_budget(self, row: int) -> dict:
-        held, full = self.cache._seq_bytes(row)
-        ratio = [h / f if f else 1.0 for h, f in zip(held, full, strict=True)]
-        total = sum(held) / sum(full) if sum(full) else 1.0
-        return {"b_prompt": ratio[0], "b_decode": ratio[1], "b_total": total, "held_bytes": sum(held)}
+        return row_budget(self.cache, row)
 
     def finish(self, row: int) -> None:
         """Record the row's final budget, then free its storage."""
@@ -182,3 +158,51 @@ class TieredSession:
 
     def budget(self, row: int) -> dict | None:
         return self.final.get(row)
+
+
+def decide_row(
+    cache: TieredCache,
+    row: int,
+    decide,
+    decided: int,
+    token_ids: list[int],
+    tags: list,
+    prompt_labels: list | None,
+    int4_cost: float,
+    extra: dict | None = None,
+    seq: int | None = None,
+) -> int:
+    """Ask ``decide`` (a policy's ``prefill_actions`` / ``step_actions``) about the positions of ``row``
+    that left the recent window since position ``decided``; apply its actions; return the new ``decided``.
+
+    ``extra``: the statistics the policy asked for (SeqContext fields). ``seq``: the row the policy
+    sees (default ``row``; a policy instance that serves one request alone sees it as row 0).
+    """
+    limit = max(0, cache.seq_length(row) - cache.config.recent_window)
+    leaving = torch.arange(decided, max(decided, limit), dtype=torch.long)
+    ctx = SeqContext(
+        seq=row if seq is None else seq,
+        prompt_len=cache.prompt_length(row),
+        length=cache.seq_length(row),
+        recent_window=cache.config.recent_window,
+        num_groups=len(cache.groups),
+        leaving=leaving,
+        token_ids=token_ids,
+        tags=tags,
+        prompt_labels=prompt_labels,
+        groups=cache.groups,
+        int4_cost=int4_cost,
+        tier_fn=lambda: torch.stack([cache.tiers(row, g) for g in range(len(cache.groups))]),
+        **(extra or {}),
+    )
+    for group, positions, action in decide(ctx):
+        cache.apply(row, group, positions, action)
+    return int(leaving[-1]) + 1 if leaving.numel() else decided
+
+
+def row_budget(cache: TieredCache, row: int) -> dict:
+    """Measured budget of one live row: ``b_prompt``, ``b_decode``, ``b_total`` and ``held_bytes``."""
+    held, full = cache._seq_bytes(row)
+    ratio = [h / f if f else 1.0 for h, f in zip(held, full, strict=True)]
+    total = sum(held) / sum(full) if sum(full) else 1.0
+    return {"b_prompt": ratio[0], "b_decode": ratio[1], "b_total": total, "held_bytes": sum(held)}

@@ -1,0 +1,329 @@
+"""Loopback serving benchmark: TPOT, throughput and peak KV bytes per policy, relative to Full KV.
+
+For each policy a server (:mod:`pask.serving.server`) runs on a free loopback port in this
+process; ``concurrency`` client threads send chat-completion requests in a closed loop
+(``requests_per_client`` each, bounded in time too). Inputs are real BFCL tool sets and questions
+(test split), preceded by a conversation history of earlier BFCL questions and their reference
+tool calls until the prompt reaches ``input_len`` tokens; ``tool_choice`` is ``required`` and
+``max_tokens`` is ``output_len``.
+
+Reported per policy (paper Tables 13/14 layout): measured B, TPOT (server-side, per request),
+throughput (generated tokens per second of wall time), peak KV bytes held, each relative to Full
+KV in the same run, and the bandwidth-model limit of the TPOT speed-up: the bytes one decode step
+reads, ``weights + c x context x KV bytes per token x B``, Full over the policy, at the mean
+decode context ``input_len + output_len / 2``. With a fixed ``capacity_tokens`` (Table 3 setting)
+the peak number of concurrent requests shows the admission effect.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jsonschema
+
+from pask.errors import PaskError
+from pask.models import LoadedModel
+from pask.serving.capacity import kv_bytes_per_token
+from pask.tasks.function_calling import NON_LIVE, FunctionCase, build_prompt, load_cases
+
+REF_POLICY = "full"
+
+
+@dataclass
+class BenchConfig:
+    """Load shape of one benchmark run."""
+
+    concurrency: int = 8
+    input_len: int = 8192
+    output_len: int = 256
+    requests_per_client: int = 2
+    capacity_tokens: int | None = None
+    max_seconds: float = 3600.0  # per policy: no new request after this
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.requests_per_client < 1:
+            raise PaskError("concurrency and requests per client must be >= 1")
+        if self.input_len < 64 or self.output_len < 1:
+            raise PaskError("input length must be >= 64 tokens and output length >= 1")
+
+
+@dataclass
+class PolicyResult:
+    """What one policy's run measured."""
+
+    policy: str
+    requests: int = 0
+    errors_5xx: int = 0
+    errors_other: int = 0
+    malformed: int = 0  # tool calls that do not validate against their schemas
+    prompt_tokens_mean: float = 0.0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    tpot_ms: float = 0.0  # mean per-request TPOT (server side)
+    throughput_tps: float = 0.0  # generated tokens per second of wall time
+    peak_kv_bytes: int = 0
+    peak_running: int = 0
+    b_final: float | None = None  # held / full bytes of the finished requests at their end
+    b_avg: float | None = None  # mean per-request time-averaged B
+    extra: dict = field(default_factory=dict)
+
+
+# -- inputs ------------------------------------------------------------------------------------
+def _reference_call(case: FunctionCase) -> str | None:
+    """A tool-call block from the case's first possible answer (None if it has none)."""
+    if not case.possible_answer:
+        return None
+    blocks = []
+    back = {v: k for k, v in case.name_map.items()}
+    for call in case.possible_answer:
+        ((name, params),) = call.items()
+        args = {k: next((x for x in v if x != ""), None) for k, v in params.items()}
+        args = {k: v for k, v in args.items() if v is not None}
+        blocks.append(f"<tool_call>\n{json.dumps({'name': back.get(name, name), 'arguments': args})}\n</tool_call>")
+    return "\n".join(blocks)
+
+
+def _question(case: FunctionCase) -> str:
+    return "\n".join(m["content"] for m in case.messages if m.get("role") == "user")
+
+
+def build_bodies(tok, model: str, n: int, cfg: BenchConfig) -> list[dict]:
+    """``n`` chat-completion bodies of about ``cfg.input_len`` prompt tokens (see the module docstring)."""
+    cases = [c for c in load_cases(list(NON_LIVE), split="test") if c.tools]
+    rng = random.Random(cfg.seed)
+    history_pool = [(c, _reference_call(c)) for c in cases]
+    history_pool = [(c, a) for c, a in history_pool if a]
+    bodies = []
+    for _ in range(n):
+        case = cases[rng.randrange(len(cases))]
+        last = [{"role": "user", "content": _question(case)}]
+        base = len(tok(build_prompt(tok, FunctionCase("b", "b", last, [], tools=case.tools)))["input_ids"])
+        history: list[dict] = []
+        total = base
+        while True:
+            past, answer = history_pool[rng.randrange(len(history_pool))]
+            turn = [
+                {"role": "user", "content": _question(past)},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": 'Tool results: {"status": "ok"}. Thanks.'},
+                {"role": "assistant", "content": "Done."},
+            ]
+            cost = sum(len(tok(m["content"])["input_ids"]) + 5 for m in turn)
+            if total + cost > cfg.input_len:
+                break
+            history += turn
+            total += cost
+        history += _filler(tok, [_question(c) for c, _ in history_pool[:50]], cfg.input_len - total - 12)
+        bodies.append(
+            {
+                "model": model,
+                "messages": history + last,
+                "tools": case.tools,
+                "tool_choice": "required",
+                "max_tokens": cfg.output_len,
+            }
+        )
+    return bodies
+
+
+def _filler(tok, texts: list[str], tokens: int) -> list[dict]:
+    """One more user/assistant exchange of about ``tokens`` tokens (earlier questions, cut to fit)."""
+    if tokens < 16:
+        return []
+    ids = tok(" ".join(texts))["input_ids"]
+    while len(ids) < tokens:
+        ids = ids + ids
+    return [
+        {"role": "user", "content": "Earlier questions: " + tok.decode(ids[: tokens - 8])},
+        {"role": "assistant", "content": "Noted."},
+    ]
+
+
+def _malformed(body: dict, out: dict) -> bool:
+    msg = out["choices"][0]["message"]
+    if out["choices"][0]["finish_reason"] == "length" and not msg.get("tool_calls"):
+        return False  # cut by the token limit: not a format error of the server
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in body["tools"]}
+    for call in msg.get("tool_calls") or []:
+        fn = call["function"]
+        try:
+            jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+        except (KeyError, json.JSONDecodeError, jsonschema.ValidationError):
+            return True
+    return not msg.get("tool_calls")
+
+
+# -- one policy --------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_policy(lm: LoadedModel, name: str, factory: Callable, bodies: list[dict], cfg: BenchConfig) -> PolicyResult:
+    """Serve ``lm`` with one policy on a loopback port and drive it with ``cfg.concurrency`` clients."""
+    import httpx2 as httpx
+    import uvicorn
+
+    from pask.serving.server import Service, create_app
+
+    service = Service.build(lm, factory, cfg.capacity_tokens, default_max_tokens=cfg.output_len)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        raise PaskError(f"the benchmark server for '{name}' did not start")
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    res = PolicyResult(name)
+    lock = threading.Lock()
+    outs: list[dict] = []
+    try:
+        with httpx.Client(timeout=None) as c:  # warm-up (grammar kernels, first allocations)
+            c.post(url, json={**bodies[0], "max_tokens": 2, "messages": bodies[0]["messages"][-1:]})
+        service.scheduler.peak_held_bytes = service.scheduler.peak_running = 0
+        stop_at = time.time() + cfg.max_seconds
+
+        def client(k: int) -> None:
+            with httpx.Client(timeout=None) as c:
+                for j in range(cfg.requests_per_client):
+                    if time.time() > stop_at:
+                        return
+                    body = bodies[(k * cfg.requests_per_client + j) % len(bodies)]
+                    r = c.post(url, json=body)
+                    with lock:
+                        res.requests += 1
+                        if r.status_code >= 500:
+                            res.errors_5xx += 1
+                        elif r.status_code != 200:
+                            res.errors_other += 1
+                        else:
+                            out = r.json()
+                            outs.append(out)
+                            res.malformed += _malformed(body, out)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(cfg.concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        res.wall_s = time.perf_counter() - t0
+        sch = service.scheduler
+        res.peak_kv_bytes, res.peak_running = sch.peak_held_bytes, sch.peak_running
+        res.b_final = sch.snapshot()["b_finished"]
+    finally:
+        server.should_exit = True
+        thread.join(60)
+    if outs:
+        res.completion_tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+        res.prompt_tokens_mean = sum(o["usage"]["prompt_tokens"] for o in outs) / len(outs)
+        res.tpot_ms = sum(o["pask"]["tpot_ms"] for o in outs) / len(outs)
+        res.throughput_tps = res.completion_tokens / res.wall_s if res.wall_s else 0.0
+        avgs = [o["pask"]["budget"]["b_total_avg"] for o in outs if o["pask"].get("budget")]
+        res.b_avg = sum(avgs) / len(avgs) if avgs else None
+    return res
+
+
+# -- the run -----------------------------------------------------------------------------------
+def bandwidth_limit(weight_bytes: int, kv_per_token: int, context: float, concurrency: int, b: float) -> float:
+    """Decode-step bytes of Full KV over those at budget ``b`` (weights read once per step, KV per request)."""
+    kv = concurrency * context * kv_per_token
+    return (weight_bytes + kv) / (weight_bytes + kv * b)
+
+
+def bench_serve(
+    lm: LoadedModel, factories: dict[str, Callable], cfg: BenchConfig, progress: Callable[[str], None] | None = None
+) -> dict:
+    """Run every policy (Full KV first, as the reference) and relate each to it; returns a JSON-able dict."""
+    if REF_POLICY not in factories:
+        raise PaskError("the serving benchmark needs the 'full' policy as its reference")
+    n = cfg.concurrency * cfg.requests_per_client
+    bodies = build_bodies(lm.tokenizer, lm.name, n, cfg)
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    per_token = kv_bytes_per_token(lm.model.config, next(lm.model.parameters()).dtype)
+    results = {}
+    for name in [REF_POLICY, *[p for p in factories if p != REF_POLICY]]:
+        if progress:
+            progress(name)
+        results[name] = run_policy(lm, name, factories[name], bodies, cfg)
+    ref = results[REF_POLICY]
+    context = cfg.input_len + cfg.output_len / 2
+    rows = []
+    for r in results.values():
+        b = r.b_avg if r.b_avg is not None else 1.0
+        limit = bandwidth_limit(weights, per_token, context, cfg.concurrency, b)
+        speedup = ref.tpot_ms / r.tpot_ms if r.tpot_ms else None
+        rows.append(
+            {
+                **asdict(r),
+                "tpot_speedup": speedup,
+                "bandwidth_limit": limit,
+                "share_of_limit": (speedup - 1) / (limit - 1) if speedup and limit > 1 + 1e-9 else None,
+                "throughput_gain": r.throughput_tps / ref.throughput_tps if ref.throughput_tps else None,
+                "peak_kv_ratio": r.peak_kv_bytes / ref.peak_kv_bytes if ref.peak_kv_bytes else None,
+            }
+        )
+    return {
+        "model": lm.name,
+        "config": asdict(cfg),
+        "weight_bytes": weights,
+        "kv_bytes_per_token": per_token,
+        "decode_context": context,
+        "policies": rows,
+    }
+
+
+def markdown(result: dict) -> str:
+    """Tables 13/14 layout: one row per policy, relative to Full KV in the same run."""
+    cfg = result["config"]
+    cap = cfg["capacity_tokens"] or "unlimited"
+    head = (
+        f"Serving, {result['model']}, c = {cfg['concurrency']}, input {cfg['input_len']}, output {cfg['output_len']}, "
+        f"KV capacity {cap} tokens\n\n"
+        "| policy | B (avg) | TPOT ms | TPOT speed-up | bandwidth limit | throughput tok/s | x Full | "
+        "peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+
+    def f(x, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [head]
+    for r in result["policies"]:
+        cells = [
+            r["policy"],
+            f(r["b_avg"], ".3f"),
+            f(r["tpot_ms"], ".1f"),
+            f(r["tpot_speedup"], ".2f") + "x",
+            f(r["bandwidth_limit"], ".2f") + "x",
+            f(r["throughput_tps"], ".2f"),
+            f(r["throughput_gain"], ".2f") + "x",
+            f(r["peak_kv_bytes"] / 2**20, ".1f"),
+            f(r["peak_kv_ratio"], ".2f") + "x",
+            str(r["peak_running"]),
+            str(r["errors_5xx"]),
+            str(r["malformed"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict, out: Path) -> tuple[Path, Path]:
+    """``out``.json and ``out``.md."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    js, md = out.with_suffix(".json"), out.with_suffix(".md")
+    js.write_text(json.dumps(result, indent=2) + "\n")
+    md.write_text(markdown(result))
+    return js, md
