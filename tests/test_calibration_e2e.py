@@ -100,6 +100,8 @@ def test_pooled_calibration_probes_each_item_once_in_every_group(smol, tmp_path)
     pick = [f"{item}|g1", f"{item}|g3"]
     table = calibrate(smol, buckets=pick, pool_groups=True, **kw)
     assert table.calibration["pool_groups"] is True
+    meta = table.calibration  # 2 cases: V moves in steps of 1/2, finer tolerances are unmeasurable
+    assert meta["v_resolution"] == 0.5 and meta["alpha_p_effective"] > 0.5 and table.alpha_p == 0.02
     recs = [json.loads(x) for x in (work_dir_for(out) / "distortion.jsonl").read_text().splitlines()]
     assert sorted((r["bucket"], r["action"]) for r in recs) == [(f"{item}|all", "L"), (f"{item}|all", "R")]
     by = {b["bucket"]: b for b in table.calibration["buckets"]}

@@ -169,7 +169,12 @@ def calibrate(
     spec = attention_spec(lm.model.config, cache_config.quant_group)
     l_cost = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype).int4_ratio  # 0.3125 in bf16
     base_b = plan.window_share + plan.base_share() * cost(default, l_cost)
-    sol = solve(inputs, budget, alpha_d, alpha_p, base_b, l_cost)
+    # Resolution rule: with n calibration cases V moves in steps of 1/n, so a tolerance finer than one
+    # case cannot be measured (any single flip, including bf16 noise, would exceed it). The solver
+    # uses max(alpha, 1/n); the table records both the nominal and the effective tolerances.
+    resolution = 1.0 / max(control.summary["overall"]["n"], 1)
+    eff_d, eff_p = max(alpha_d, resolution + 1e-9), max(alpha_p, resolution + 1e-9)
+    sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost)
     actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
     meta = {
         "split": split,
@@ -183,6 +188,9 @@ def calibrate(
         "min_share": min_share,
         "pool_groups": pool_groups,
         "distortion_batches": distortion_batches,
+        "v_resolution": resolution,
+        "alpha_d_effective": eff_d,
+        "alpha_p_effective": eff_p,
         "l_cost": l_cost,
         "control_accuracy": control.accuracy,
         "control_wall_s": round(control.wall_s, 1),
@@ -297,7 +305,9 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
         f"# PASK calibration: {table.model_name} on {table.task} ({meta['split']}, {meta['cases']} cases)",
         "",
         f"Table: {sol.summary()}; L cost {meta['l_cost']:.5f}.",
-        f"Tolerances alpha_D = {table.alpha_d}, alpha_P = {table.alpha_p}; {table.num_groups} layer groups; "
+        f"Tolerances alpha_D = {table.alpha_d}, alpha_P = {table.alpha_p} (effective "
+        f"{meta.get('alpha_d_effective', table.alpha_d):.4f} / {meta.get('alpha_p_effective', table.alpha_p):.4f}: "
+        f"V resolution 1/n = {meta.get('v_resolution', 0):.4f}); {table.num_groups} layer groups; "
         f"recent window {table.recent_window}; default action {table.default_action}.",
         f"All-H control accuracy: {100 * control.accuracy:.2f} % ({control.summary['overall']['correct']}/"
         f"{control.summary['overall']['n']}).",
