@@ -125,9 +125,12 @@ def pick_tokens(
     for i, r in enumerate(requests):  # near the token limit: close the structure, don't truncate
         closing = len(generated[i]) >= r.max_new_tokens - r.close_margin
         if live[i] and r.constraint is not None and closing:
-            legal = torch.isfinite(logits[i, closers]).nonzero()
-            if legal.numel():
-                nxt[i] = int(closers[legal[0, 0]])
+            last2 = generated[i][-2:]
+            for k in torch.isfinite(logits[i, closers]).nonzero()[:, 0].tolist():
+                c = int(closers[k])
+                if last2 != [c, c]:  # never a third time in a row (SQL allows endless newlines)
+                    nxt[i] = c
+                    break
     return nxt
 
 
@@ -169,8 +172,10 @@ def make_generation(
 
 
 # Closing tokens in the order tried (after EOS and the call-closing marker): quote-first ones
-# before bare brackets, so an open string is closed rather than filled with bracket text.
-CLOSER_TEXTS = ("\n", '"}}', '"}', '"]', '"', "]}}", "]}", "}}", "]", "}")
+# before bare brackets, so an open string is closed rather than filled with bracket text; then
+# SQL's closers (a parenthesis, a single-quoted literal's end). The same closer is not taken a
+# third time in a row: a newline is legal almost everywhere in SQL and would loop.
+CLOSER_TEXTS = ("\n", '"}}', '"}', '"]', '"', "]}}", "]}", "}}", "]", "}", ")", "'")
 
 
 def closing_tokens(tok, eos: set[int]) -> torch.Tensor:

@@ -93,3 +93,19 @@ def test_resume_drops_a_torn_last_line(tmp_path):
         f.write('{"id": "c"}\n')
     assert list(read_done(path)) == ["a", "c"]
     repair_jsonl(tmp_path / "missing.jsonl")  # nothing to repair
+
+
+def test_sql_closing_phase_does_not_loop_on_newlines(smol):
+    """A newline is legal almost anywhere in SQL: the closing phase must not spend the allowance on it."""
+    from pask.evaluation.run_sql import prepare, select_cases
+
+    cases = select_cases("test", limit=2)
+    reqs = []
+    for c in cases:
+        req = prepare(smol, c, 40)[0]
+        req.close_margin = 36  # closing from the 5th token on
+        reqs.append(req)
+    nl = smol.tokenizer("\n", add_special_tokens=False)["input_ids"][0]
+    for g in generate(smol, reqs):
+        ids = g.token_ids
+        assert not any(ids[k] == ids[k + 1] == ids[k + 2] == nl for k in range(len(ids) - 2)), g.text

@@ -486,3 +486,18 @@ def test_coordinate_search_varies_one_knob_at_a_time(tmp_path):
     assert seen == cfgs and best["window"] == 128
     with pytest.raises(PaskError, match="unknown search"):
         tune("snapkv", 0.33, None, lambda *a: 0.0, tmp_path / "l2.jsonl", tmp_path / "c.json", search="random")
+
+
+def test_group_scores_of_an_empty_prefix():
+    from pask.policies._common import group_scores
+
+    out = group_scores(torch.zeros(4, 2, 0), [range(0, 2), range(2, 4)])
+    assert out.shape == (2, 0)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "criticalkv", "rocketkv"])
+def test_prompt_shorter_than_the_observation_window(smol, name):
+    from pask.kv.runner import decode_with_policy
+
+    res = decode_with_policy(smol.model, [list(range(20, 30))], get_policy(name, budget=0.5), 12)
+    assert len(res.tokens[0]) == 12

@@ -95,6 +95,8 @@ def groups_of(ctx: SeqContext, num_layers: int) -> list[range]:
 
 def group_scores(stat: torch.Tensor, groups: list[range], reduce: str = "sum") -> torch.Tensor:
     """Reduce ``stat [layers, ..., n]`` over each group's layers and all middle dims -> ``[G, n]`` float64."""
+    if stat.shape[-1] == 0:  # e.g. a prompt no longer than SnapKV's window: nothing to score
+        return torch.zeros((len(groups), 0), dtype=torch.float64)
     out = []
     for g in groups:
         x = stat[g.start : g.stop].reshape(-1, stat.shape[-1]).double()
