@@ -11,6 +11,7 @@ from pask.kv import Action, CacheConfig, TieredCache, UnsupportedModelError, reg
 from pask.kv.attention import check_model, tiered_attention_reference
 from pask.kv.quant import dequantize_codes, quantize_codes
 from pask.kv.runner import decode_with_policy, left_pad
+from pask.kv.storage import key_balance
 from pask.policies import FullPolicy, StaticMixPolicy
 
 HQ, HKV, D = 6, 2, 64
@@ -48,10 +49,12 @@ def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, cau
     return (torch.softmax(s, -1) @ v).transpose(0, 1).float()
 
 
-def key_roundtrip(k: torch.Tensor) -> torch.Tensor:
-    """Keys as the L tier stores them: zero point 8 (the int4 GEMM's convention)."""
-    codes, scale, zero = quantize_codes(k, 32, zero_point=8, scale_dtype=torch.bfloat16)
-    return dequantize_codes(codes, scale, zero, zero_point=8)
+def key_roundtrip(k: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """Keys as the L tier stores them: balanced per channel by the keys ``held`` at the first INT4
+    write, then quantised with zero point 8 (the int4 GEMM's convention)."""
+    mid, bal = key_balance(held)[:, 0:1], key_balance(held)[:, 1:2]
+    codes, scale, zero = quantize_codes((k - mid) / bal, 32, zero_point=8, scale_dtype=torch.bfloat16)
+    return dequantize_codes(codes, scale, zero, zero_point=8) * bal + mid
 
 
 def value_roundtrip(v: torch.Tensor) -> torch.Tensor:
@@ -86,7 +89,7 @@ def test_int4_only_equals_attention_over_dequantised():
     cache.apply(0, 0, torch.arange(692), Action.L)
     kd = k.clone()
     vd = v.clone()
-    kd[:, :692] = key_roundtrip(k[:, :692])
+    kd[:, :692] = key_roundtrip(k[:, :692], k)
     vd[:, :692] = value_roundtrip(v[:, :692])
     q = torch.randn(HQ, 1, D)
     out = tiered_attention_reference(q, cache.layers[0].seqs[0], 0.125, block=64)
@@ -102,7 +105,7 @@ def test_mixed_tiers_and_multi_token_extend_are_causal():
     cache.update(new_k, new_v, 0)  # an extend of 3 tokens: they sit at the tail of the H tier
     kd, vd = k.clone(), v.clone()
     lq = acts == 1
-    kd[:, :296][:, lq] = key_roundtrip(k[:, :296][:, lq])
+    kd[:, :296][:, lq] = key_roundtrip(k[:, :296][:, lq], k)
     vd[:, :296][:, lq] = value_roundtrip(v[:, :296][:, lq])
     keep = torch.cat([acts != 2, torch.ones(4, dtype=torch.bool)])
     kk = torch.cat([kd[:, keep], new_k[0]], 1)
@@ -256,8 +259,11 @@ def test_finished_row_is_dropped_and_harmless(smol):
     rows = [tok("for i in range(10):\n    print(")["input_ids"], tok("x = 1")["input_ids"]]
     stop = 7
 
-    def nxt(row, logits):
-        return stop if row == 1 and int(logits.argmax()) % 3 == 0 else int(logits.argmax())
+    calls = {0: 0, 1: 0}
+
+    def nxt(row, logits):  # row 1 stops at its 5th token
+        calls[row] += 1
+        return stop if row == 1 and calls[row] == 5 else int(logits.argmax())
 
     cfg = CacheConfig(recent_window=4)
     policy = StaticMixPolicy(0.5, 0.25, 0.25)

@@ -284,3 +284,26 @@ def test_static_mix_fractions_validation_and_registry():
     assert torch.equal(acts, p.assign(torch.arange(3000)))  # deterministic
     fr = torch.bincount(acts, minlength=3).float() / 3000
     assert torch.allclose(fr, torch.tensor([0.34, 0.33, 0.33]), atol=0.005)
+
+
+def test_key_balance_tames_outlier_channels_and_is_counted():
+    """Keys with a large per-channel offset: balanced INT4 keys are far closer; the balance bytes are held."""
+    from pask.kv.storage import key_balance
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 200, 64, generator=g)
+    k[:, :, 3] += 60.0  # a k-bias-like outlier channel
+    v = torch.randn(2, 200, 64, generator=g)
+    errs = {}
+    for balanced in (False, True):
+        cfg = CacheConfig(num_groups=1, recent_window=0, key_balance=balanced)
+        cache = TieredCache(tiny_config(1), cfg, 1)
+        cache.update(k[None].to(torch.bfloat16), v[None].to(torch.bfloat16), 0)
+        cache.apply(0, 0, torch.arange(200), Action.L)
+        st = cache.layers[0].seqs[0]
+        kd, _ = st.int4_kv()
+        errs[balanced] = float((kd - k).norm() / (k - k.mean(1, keepdim=True)).norm())
+        assert (cache.held_bytes() - st.l.live_bytes()) == (2 * 2 * 64 * 4 if balanced else 0)
+    assert errs[True] < errs[False] / 3, errs
+    bal = key_balance(k)
+    assert bal.shape == (2, 2, 64) and float(bal[0, 0, 3]) > 50  # mid-range of the outlier channel

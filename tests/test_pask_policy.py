@@ -198,13 +198,21 @@ def test_engine_measured_budget_matches_table_prediction(smol, tagged_run):
     cm = CostModel(head_dim=64, dtype=torch.float32)
     groups = layer_groups(smol.num_layers, G)
     want = 0.0
+    int4_layers = 0  # layers whose INT4 tier was written: each holds a key balance [Hkv, 2, D] fp32
     for g, layers in enumerate(groups):
+        acts = set()
         for p in range(stored):
             if p >= stored - 8:
                 c = 1.0
             else:
                 item = req.prompt_labels[p] if p < plen else gen.extra["tags"][p - plen]
-                c = cm.cost(expected_action(table, item, g))
+                act = expected_action(table, item, g)
+                acts.add(act)
+                c = cm.cost(act)
             want += c * len(layers) / smol.num_layers / stored
+        int4_layers += len(layers) * (Action.L in acts)
+    cfg = smol.model.config
+    h_token_bytes = 2 * cfg.num_key_value_heads * 64 * 4 * smol.num_layers  # K and V, fp32, every layer
+    want += int4_layers * cfg.num_key_value_heads * 2 * 64 * 4 / (h_token_bytes * stored)
     assert gen.extra["budget"]["b_total"] == pytest.approx(want, abs=1e-4)
     assert want < 0.9

@@ -55,6 +55,7 @@ class CacheConfig:
     shrink_below: float = 0.5  # reallocate a tier to 1.25 x its live slots when live < capacity * shrink_below
     dequant_block: int = 256  # INT4 tokens dequantised at a time by the reference attention
     fast_path: bool = True  # use PyTorch's fused CPU kernels when they apply (bf16, D=64, CPU)
+    key_balance: bool = True  # balance INT4 keys per channel before quantising (see storage.key_balance)
 
     def __post_init__(self) -> None:
         if self.num_groups < 1:
@@ -462,6 +463,7 @@ class TieredCache(Cache):
                             held[i] += per_slot * ix.counts[tier][i]
                 for i in range(2):
                     full[i] += st.h.slot_bytes() * tokens[i]
+                held[0] += st.balance_bytes()  # per-sequence key balance of the INT4 tier
         return held, full
 
     def held_bytes(self) -> int:
@@ -470,7 +472,7 @@ class TieredCache(Cache):
         for layer in self.layers:
             for st in layer.seqs:
                 if st is not None:
-                    total += st.h.live_bytes() + st.l.live_bytes()
+                    total += st.h.live_bytes() + st.l.live_bytes() + st.balance_bytes()
         return total
 
     def allocated_bytes(self) -> int:
@@ -479,7 +481,7 @@ class TieredCache(Cache):
         for layer in self.layers:
             for st in layer.seqs:
                 if st is not None:
-                    total += st.h.allocated_bytes() + st.l.allocated_bytes()
+                    total += st.h.allocated_bytes() + st.l.allocated_bytes() + st.balance_bytes()
         for row in self._indices:
             total += sum(ix.nbytes() for ix in row)
         return total

@@ -103,13 +103,17 @@ def int4_stream(qg: torch.Tensor, store: _SeqStore, scaling: float) -> tuple[tor
     t = store.l.t
     sz = t["ksz"][:, :, :nb]  # per head [G, nb, 2]: contiguous copy below when nb < capacity
     kq = t["kq"].reshape(hkv, -1)[:, : nb * d // 2]
-    qs = (qg.float() * scaling).to(torch.bfloat16)
-    s = torch.stack([mm(qs[h], kq[h].view(nb, d // 2), g, sz[h].contiguous()) for h in range(hkv)])
+    # balanced keys (k = k' * bal + mid): q.k = (q * bal).k' + q.mid, the second term one constant per query row
+    mid, bal = store.kbal[:, 0], store.kbal[:, 1]  # [Hkv, D]
+    qs = (qg.float() * bal[:, None] * scaling).to(torch.bfloat16)
+    const = (qg.float() * mid[:, None]).sum(-1) * scaling  # [Hkv, grp]
+    s = torch.stack([mm(qs[h], kq[h].view(nb, d // 2), g, sz[h].contiguous()) for h in range(hkv)]).float()
+    s = s + const[..., None]
     s[..., n:] = -torch.inf  # slots past n pad the last block
     p = torch.softmax(s, dim=-1, dtype=torch.float32)  # normalised, FP32
     # log-sum-exp from the max element: p_max = exp(s_max - lse) >= 1/n, so no precision is lost
     p_max, arg = p.max(dim=-1)
-    lse = s.gather(-1, arg[..., None])[..., 0].float() - torch.log(p_max)
+    lse = s.gather(-1, arg[..., None])[..., 0] - torch.log(p_max)
     pb = p.to(torch.bfloat16)
     x = pb[:, None] * t["vs"][:, :, None, :nb]  # [Hkv, G, grp, nb] bf16: p_t * scale_t,g
     ones = _ones(nb // BLOCK, g)

@@ -3,8 +3,8 @@
 Same math as :func:`pask.kv.attention.tiered_attention_reference` for one query token: one
 program per kv head loads the ``Hq/Hkv`` query rows of its GQA group (no K/V repetition), walks
 the H tier then the INT4 tier in ``BLOCK_N``-token blocks, dequantises INT4 keys (blocked
-d-major codes, zero point 8) and values (per-group adjacent pairs) in registers, and keeps one FP32
-online softmax (running max, running sum, running output) across both streams.
+d-major codes, zero point 8, then the per-channel key balance) and values (per-group adjacent
+pairs) in registers, and keeps one FP32 online softmax (running max, running sum, running output) across both streams.
 
 On a machine without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``,
 set before triton is imported); that is how the tests check it against the torch reference.
@@ -41,6 +41,7 @@ if triton is not None:
         vh_ptr,
         kq_ptr,
         ksz_ptr,
+        kbal_ptr,
         vq_ptr,
         vs_ptr,
         vz_ptr,
@@ -81,6 +82,8 @@ if triton is not None:
         # INT4 stream
         ng = D // QG
         half = D // 2
+        kbal_m = tl.load(kbal_ptr + h * 2 * D + d)  # per-channel key balance (mid-range, sqrt range)
+        kbal_s = tl.load(kbal_ptr + h * 2 * D + D + d)
         for start in range(0, n_l, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             ok = t < n_l
@@ -97,7 +100,7 @@ if triton is not None:
             zoff = h * (ng * cap_l * 2) + (d[None, :] // QG) * (cap_l * 2) + t[:, None] * 2
             kscale = tl.load(ksz_ptr + zoff, mask=ok[:, None], other=0.0).to(tl.float32)
             kzero = tl.load(ksz_ptr + zoff + 1, mask=ok[:, None], other=0.0).to(tl.float32)
-            k = (kcode - 8.0) * kscale + kzero
+            k = ((kcode - 8.0) * kscale + kzero) * kbal_s[None, :] + kbal_m[None, :]
             w = d[None, :] % QG  # index inside the value group; codes stored as adjacent pairs
             vbyte = tl.load(
                 vq_ptr
@@ -141,13 +144,14 @@ def triton_decode_attention(q: torch.Tensor, store, scaling: float, block_n: int
     kh = store.h.t["k"] if store.h.n else empty_h
     vh = store.h.t["v"] if store.h.n else empty_h
     if store.l.n:
-        lt, cap_l = store.l.t, store.l.cap
+        lt, cap_l, kbal = store.l.t, store.l.cap, store.kbal
     else:  # dummy INT4 tier of one block, never read (n_l = 0)
         from pask.kv.storage import _SeqStore
 
         dummy = _SeqStore(hkv, d, dt, dev, store.l.cfg, store.l.stats)
         dummy.l._realloc(64)
         lt, cap_l = dummy.l.t, 64
+        kbal = torch.zeros(hkv, 2, d, device=dev)
     out = torch.empty(hq, d, dtype=torch.float32, device=dev)
     _decode_kernel[(hkv,)](
         q.reshape(hq, d).float().contiguous(),
@@ -156,6 +160,7 @@ def triton_decode_attention(q: torch.Tensor, store, scaling: float, block_n: int
         vh,
         lt["kq"],
         lt["ksz"],
+        kbal.float().contiguous(),
         lt["vq"],
         lt["vs"],
         lt["vz"],

@@ -1,0 +1,83 @@
+"""INT4 key quantisation with and without per-channel key balancing: attention-output error per layer.
+
+    .venv/bin/python benchmarks/key_balance.py [--cases 4] [--tokens 24] [--threads 2]
+
+Real BFCL dev prompts on qwen2.5-coder-0.5b (bf16). Each case is decoded once with Full KV on the
+tiered cache (every token H); its generated tokens are then replayed (teacher forcing) with every
+token outside the recent window moved to INT4, once with plain per-token INT4 keys and once
+with the per-channel key balance (``CacheConfig.key_balance``). For each decode step and layer the
+relative L2 error of the attention output (input of ``o_proj``) against the all-H replay is
+averaged. Writes ``benchmarks/results/key_balance.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from pask.calibration.distortion import DistortionSum, forced_capture
+from pask.engine import generate
+from pask.evaluation.run_bfcl import prepare
+from pask.kv.cache import CacheConfig
+from pask.models import load_model
+from pask.policies import get_policy
+from pask.tasks.function_calling import NON_LIVE, load_cases
+
+OUT = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--cases", type=int, default=1, help="dev cases per non-live category")
+    ap.add_argument("--tokens", type=int, default=24, help="generated tokens replayed per case")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    cases = load_cases(list(NON_LIVE), split="dev", limit=args.cases)
+    reqs = [prepare(lm, c, args.tokens)[0] for c in cases]
+    gens = generate(lm, reqs, policy=get_policy("full"))
+    prompts = [r.prompt_ids for r in reqs]
+    forced = [g.token_ids[: args.tokens] for g in gens]
+    no_tags = [[] for _ in cases]
+    labels = [None for _ in cases]
+    all_l = get_policy("static_mix", h=0.0, l=1.0, r=0.0)
+    ref = forced_capture(lm.model, prompts, forced, get_policy("full"), no_tags, labels, CacheConfig())
+    rows = {}
+    for name, balanced in (("per-token INT4 keys", False), ("balanced INT4 keys", True)):
+        acc = DistortionSum(lm.num_layers)
+        cfg = CacheConfig(key_balance=balanced)
+        for p, f in zip(forced_capture(lm.model, prompts, forced, all_l, no_tags, labels, cfg), ref, strict=True):
+            acc.add(p, f)
+        rows[name] = (acc.err / max(acc.steps, 1)).tolist()
+    command = "python benchmarks/key_balance.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result = {"command": command, "model": lm.name, "cases": [c.id for c in cases], "tokens": args.tokens, **rows}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "key_balance.json").write_text(json.dumps(result, indent=2) + "\n")
+    names = list(rows)
+    lines = [
+        f"# INT4 keys: per-token vs per-channel-balanced quantisation ({lm.name}, bf16)",
+        "",
+        f"Command: `{command}`  ",
+        f"{len(cases)} BFCL dev cases ({', '.join(c.id for c in cases)}); every token outside the recent "
+        f"window in INT4 (values per token in both rows), {args.tokens} generated tokens replayed. Relative L2 "
+        "error of each layer's attention output against the all-BF16 replay, mean over decode steps.",
+        "",
+        "| layer | " + " | ".join(names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
+    for i in range(lm.num_layers):
+        lines.append(f"| {i} | " + " | ".join(f"{rows[n][i]:.3f}" for n in names) + " |")
+    lines.append("| mean | " + " | ".join(f"{sum(rows[n]) / len(rows[n]):.3f}" for n in names) + " |")
+    (OUT / "key_balance.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
