@@ -49,10 +49,11 @@ class MiKVPolicy:
 
     Notes
     -----
-    Deviations. (1) MiKV's key outlier balancing (per-channel scaling of keys before quantisation,
-    undone on the query) is not implemented: it would need a per (layer, kv head, channel) factor
-    applied to the query of the INT4 stream in both attention paths; the INT4 tier is plain
-    per-token group quantisation. (2) The group size is the cache's (``CacheConfig.quant_group``, 32
+    Deviations. (1) Key outlier balancing is the cache's, for every policy
+    (:func:`pask.kv.storage.key_balance`: keys centred per channel and divided by the square root of
+    the channel range before the per-token quantisation, undone on the query in the attention); it
+    is fixed per sequence and layer at the first INT4 write, where MiKV derives its factors from the
+    query/key channel statistics. (2) The group size is the cache's (``CacheConfig.quant_group``, 32
     by default) for all tokens. (3) A target below what the recent window plus everything else in
     INT4 costs (``c + (1 - c) · W / n``: below the INT4 cost, where MiKV would use 2 bits, or just
     above it for short sequences) keeps the recent window in H, the most important remaining tokens
