@@ -183,7 +183,7 @@ def eval_bfcl(
 @user_errors
 def inspect(
     case: Annotated[str, typer.Option(help="BFCL case id, e.g. simple_python_0")],
-    task: Annotated[str, typer.Option(help="task (bfcl)")] = "bfcl",
+    task: Annotated[str, typer.Option(help="task: bfcl or sql")] = "bfcl",
     model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
     html: Annotated[Path | None, typer.Option(help="also write a self-contained HTML page")] = None,
     max_new_tokens: int = 384,
@@ -222,16 +222,16 @@ def inspect(
 @user_errors
 def calibrate(
     model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
-    task: Annotated[str, typer.Option(help="task (bfcl)")] = "bfcl",
+    task: Annotated[str, typer.Option(help="task: bfcl or sql")] = "bfcl",
     split: Annotated[str, typer.Option(help="calibration split (never test or live)")] = "calibration",
     budget: Annotated[float, typer.Option(help="target total KV budget B in (0, 1]")] = 0.33,
     out: Annotated[Path, typer.Option(help="table file to write (work dir beside it; resumable)")] = Path(
         "pask-table.json"
     ),
-    limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
-    categories: Annotated[str, typer.Option(help="comma-separated non-live categories")] = (
-        "simple,multiple,parallel,parallel_multiple"
-    ),
+    limit: Annotated[int | None, typer.Option(help="bfcl: at most N cases per category; sql: the first N")] = None,
+    categories: Annotated[
+        str | None, typer.Option(help="bfcl: comma-separated non-live categories (default: all four)")
+    ] = None,
     pool_groups: Annotated[
         bool, typer.Option(help="probe each item in all layer groups at once (G x fewer runs; see report)")
     ] = False,
@@ -256,7 +256,7 @@ def calibrate(
                 tasks[phase] = bar.add_task(phase, total=total)
             bar.update(tasks[phase], advance=advance, total=total)
 
-        cats = [c.strip() for c in categories.split(",") if c.strip()]
+        cats = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
         table = calibrate_command(
             model,
             task,

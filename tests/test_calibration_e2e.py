@@ -110,3 +110,20 @@ def test_pooled_calibration_probes_each_item_once_in_every_group(smol, tmp_path)
     assert by[pick[0]]["V"] == by[pick[1]]["V"]  # one pooled V per item
     assert by[pick[0]]["D"]["R"] == r_rec["d_per_group"][1] and by[pick[1]]["D"]["R"] == r_rec["d_per_group"][3]
     assert "Pooled calibration" in report_path_for(out).read_text()
+
+
+@pytest.mark.slow
+def test_sql_calibration_runs_through_the_same_machinery(smol, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "smol-sql.json"
+    kw = dict(task="sql", out=out, limit=2, batch_size=2, max_new_tokens=24)
+    calibrate(smol, buckets=[], **kw)
+    plan = json.loads((work_dir_for(out) / "buckets.json").read_text())
+    items = [it["name"] for it in plan["items"]]
+    assert "P|protected_content" in items and "P|schema_scaffold" in items, items  # the SQL prompt labeller ran
+    pick = ["P|schema_scaffold|g2"]
+    table = calibrate(smol, buckets=pick, pool_groups=True, **kw)
+    assert table.task == "sql" and table.calibration["cases"] == 2
+    assert {b["bucket"] for b in table.calibration["buckets"]} == set(pick)
+    rows = (work_dir_for(out) / "control" / "cases.jsonl").read_text().splitlines()
+    assert len(rows) == 2 and all("db_id" in json.loads(r) for r in rows)

@@ -123,3 +123,13 @@ def test_tune_bad_input():
     assert res.exit_code == 2 and "(0, 1]" in res.output
     res = _run("tune", "--policy", "h2o", "--search", "random", "--limit", "1")
     assert res.exit_code == 2
+
+
+def test_calibrate_task_errors(tmp_path):
+    out = str(tmp_path / "t.json")
+    res = _run("calibrate", "--task", "sql", "--split", "test", "--out", out)
+    assert res.exit_code == 2 and "leak" in res.output
+    res = _run("calibrate", "--task", "sql", "--categories", "simple", "--out", out)
+    assert res.exit_code == 2 and "no categories" in res.output
+    res = _run("calibrate", "--task", "magic", "--out", out)
+    assert res.exit_code == 2 and "bfcl, sql" in res.output

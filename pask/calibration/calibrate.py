@@ -30,6 +30,7 @@ from pask.calibration.distortion import run_distortion
 from pask.calibration.sensitivity import probe_policy, run_sensitivity
 from pask.calibration.solver import BucketInput, Solution, cost, solve
 from pask.calibration.table import FrozenTable
+from pask.calibration.tasks import default_max_new_tokens, get_task
 from pask.errors import PaskError
 from pask.kv.budget import CostModel
 from pask.kv.cache import CacheConfig, attention_spec
@@ -47,20 +48,8 @@ def report_path_for(out: Path) -> Path:
 
 
 def _cases(task: str, split: str, categories: list[str] | None, limit: int | None) -> tuple[list, list[str]]:
-    if task != "bfcl":
-        raise PaskError(f"calibration supports task 'bfcl' only for now, got '{task}'")
-    from pask.tasks.function_calling import LIVE, NON_LIVE, load_cases
-
-    cats = list(categories or NON_LIVE)
-    live = [c for c in cats if c in LIVE]
-    if live:
-        raise PaskError(f"live categories {live} are evaluation-only: never calibrate on them")
-    if split == "test":
-        raise PaskError("calibrating on the test split would leak it: use --split calibration (or dev)")
-    cases = load_cases(cats, split=split, limit=limit)
-    if not cases:
-        raise PaskError(f"no cases for categories {cats} in split '{split}'")
-    return cases, cats
+    """The split's cases for ``task`` (calibration never sees the test split or BFCL's live categories)."""
+    return get_task(task).load(split, categories, limit)
 
 
 def calibrate(
@@ -74,7 +63,7 @@ def calibrate(
     progress: Progress | None = None,
     *,
     categories: list[str] | None = None,
-    max_new_tokens: int = 384,
+    max_new_tokens: int | None = None,
     alpha_d: float = 0.05,
     alpha_p: float = 0.02,
     num_groups: int = 4,
@@ -103,6 +92,8 @@ def calibrate(
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
     out = Path(out)
     cases, cats = _cases(task, split, categories, limit)
+    hooks = get_task(task)
+    max_new_tokens = max_new_tokens or default_max_new_tokens(task)
     default_cfg = CacheConfig()
     if (num_groups, recent_window) != (default_cfg.num_groups, default_cfg.recent_window):
         raise PaskError(
@@ -127,13 +118,15 @@ def calibrate(
     t_start = time.perf_counter()
     cache_config = CacheConfig(num_groups=num_groups, recent_window=recent_window)
 
-    control = run_control(lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress)
+    control = run_control(lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress, hooks)
     plan = plan_buckets(control.rows, lm.num_layers, num_groups, recent_window, min_share, buckets)
     (work / "buckets.json").write_text(json.dumps(plan.to_json(), indent=2) + "\n")
     probes = plan.pooled() if pool_groups else [name for name, *_ in plan.buckets()]
     candidates = [(name, a) for name in probes for a in ("L", "R")]
 
-    v_recs, v_run = run_sensitivity(lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress)
+    v_recs, v_run = run_sensitivity(
+        lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress, hooks
+    )
     d_recs, d_run = {}, 0
     if distortion:
         d_recs, d_run = run_distortion(
@@ -410,16 +403,15 @@ def check_dev(
     out_dir: Path,
     limit: int | None = None,
     batch_size: int = 8,
-    max_new_tokens: int = 384,
+    max_new_tokens: int | None = None,
     categories: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict:
     """Evaluate the table on the dev split; the summary gains ``expected_b`` (the table's prediction)."""
-    from pask.evaluation.run_bfcl import run_bfcl
-
     cases, cats = _cases(table.task, "dev", categories, limit)
     meta = {"model": lm.name, "policy": "pask", "budget": table.target_b, "split": "dev", "categories": cats}
-    summary = run_bfcl(lm, cases, Path(out_dir), batch_size, max_new_tokens, PaskPolicy(table), progress, meta)
+    m = max_new_tokens or default_max_new_tokens(table.task)
+    summary = get_task(table.task).run(lm, cases, Path(out_dir), batch_size, m, PaskPolicy(table), progress, meta)
     summary["expected_b"] = table.expected_b
     return summary
 
@@ -441,8 +433,6 @@ def calibrate_command(
 
     from pask.models import load_model
 
-    if task != "bfcl":
-        raise PaskError(f"calibration supports task 'bfcl' only for now, got '{task}'")
     _cases(task, split, kwargs.get("categories"), limit)  # validate before loading the model
     lm = load_model(model, dtype=dtype or torch.bfloat16)
     return calibrate(lm, task, split, budget, Path(out), limit, batch_size, progress, **kwargs)

@@ -6,7 +6,7 @@ Per batch it writes, resumably, under ``work_dir/control/``:
 
 - ``batches.json``: the case ids of each batch (fixed at the first call: distortion probes replay
   the same batches, so their forward passes match the control's bit for bit);
-- ``cases.jsonl``: one :class:`pask.evaluation.run_bfcl.CaseResult` row per case plus the
+- ``cases.jsonl``: one task row per case (``run_bfcl`` / ``run_sql`` CaseResult) plus the
   generated ``token_ids``, with tags and prompt labels (the ``--save-tags`` fields);
 - ``capture-NNNN.pt``: per case the attention outputs of its decode steps ``[steps, layers, hidden]``
   in the model dtype (about ``steps x layers x hidden x 2`` bytes per case in bf16);
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,8 +26,9 @@ import torch
 from pask.calibration.buckets import ControlRow
 from pask.calibration.distortion import AttnCapture
 from pask.calibration.table import FrozenTable
+from pask.calibration.tasks import CalibrationTask, get_task
 from pask.engine import generate
-from pask.evaluation.run_bfcl import CaseResult, prepare, read_done, score, summarize, table_markdown
+from pask.evaluation.run_bfcl import read_done
 from pask.policies.pask import PaskPolicy
 
 
@@ -74,12 +75,14 @@ def run_control(
     num_groups: int = 4,
     recent_window: int = 8,
     progress: Callable[[str, int, int], None] | None = None,
+    task: CalibrationTask | None = None,
 ) -> ControlRun:
-    """Run (or resume) the control; see the module docstring for the files."""
+    """Run (or resume) the control; see the module docstring for the files. ``task``: BFCL by default."""
+    task = task or get_task("bfcl")
     out = work_dir / "control"
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "cases.jsonl"
-    prepared = {c.id: (c, *prepare(lm, c, max_new_tokens, tagging=True)) for c in cases}
+    prepared = {c.id: (c, *task.prepare(lm, c, max_new_tokens, True)) for c in cases}
     bfile = out / "batches.json"
     if bfile.exists():
         batches = json.loads(bfile.read_text())
@@ -102,10 +105,7 @@ def run_control(
     with open(jsonl, "a") as f:
         for c, req, err in prepared.values():  # schema errors: scored as wrong, never run
             if err is not None and c.id not in done:
-                row = CaseResult(
-                    c.id, c.category, len(req.prompt_ids), "", None, False, False, err, "schema_error", 0, 0, 0
-                )
-                f.write(json.dumps(asdict(row)) + "\n")
+                f.write(json.dumps(task.error_row(c, req, err)) + "\n")
         for k in todo:
             t0 = time.perf_counter()
             chunk = [prepared[i] for i in batches[k]]
@@ -113,7 +113,7 @@ def run_control(
                 gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
             rows = []
             for (c, r, _), g in zip(chunk, gens, strict=True):
-                row = asdict(score(c, g, r, save_tags=True))
+                row = task.score_row(c, g, r)
                 row["token_ids"] = list(g.token_ids)
                 rows.append(row)
             n_fed = [ControlRow.from_json(row).n_fed for row in rows]
@@ -129,10 +129,10 @@ def run_control(
     all_rows = read_done(jsonl)
     wanted = [c.id for c in cases]
     rows = [all_rows[i] for i in wanted]
-    summary = summarize(rows)
+    summary = task.summarize(rows)
     meta = {"model": lm.name, "policy": "pask all-H control"}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "summary.md").write_text(table_markdown(summary, meta))
+    (out / "summary.md").write_text(task.table_markdown(summary, meta))
     run_ids = {i for b in batches for i in b}
     return ControlRun(
         dir=out,

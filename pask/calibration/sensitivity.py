@@ -7,7 +7,8 @@ the cases (0.05 = 5 pp; negative when the probe happens to do better).
 
 Resumable at two levels: ``work_dir/sensitivity.jsonl`` gets one line per finished candidate
 (finished candidates are skipped), and each candidate's run directory
-``work_dir/sensitivity/<action>-<bucket>/`` is a normal resumable :func:`run_bfcl` output.
+``work_dir/sensitivity/<action>-<bucket>/`` is a normal resumable output of the task's runner
+(``run_bfcl`` / ``run_sql``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pask.calibration.table import FrozenTable
-from pask.evaluation.run_bfcl import read_done, run_bfcl
+from pask.calibration.tasks import CalibrationTask, get_task
+from pask.evaluation.run_bfcl import read_done
 from pask.policies.pask import PaskPolicy
 
 
@@ -50,8 +52,10 @@ def run_sensitivity(
     batch_size: int = 8,
     max_new_tokens: int = 384,
     progress: Callable[[str, int, int], None] | None = None,
+    task: CalibrationTask | None = None,
 ) -> tuple[dict[tuple[str, str], dict], int]:
     """V(q, a) for every candidate; returns (records by candidate, candidates computed by this call)."""
+    task = task or get_task("bfcl")
     path = work_dir / "sensitivity.jsonl"
     done = read_records(path)
     todo = [c for c in candidates if c not in done]
@@ -63,7 +67,7 @@ def run_sensitivity(
             t0 = time.perf_counter()
             policy = probe_policy(plan, bucket, action, lm.fingerprint, plan.recent_window)
             meta = {"model": lm.name, "policy": f"pask probe {bucket} -> {action}"}
-            s = run_bfcl(
+            s = task.run(
                 lm,
                 cases,
                 work_dir / "sensitivity" / slug(bucket, action),
