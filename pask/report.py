@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pask.errors import PaskError
+from pask.evaluation.bfcl import CATEGORIES
+from pask.tasks.spider_hardness import LEVELS
 
 METHODS = {
     "full": "Full KV",
@@ -43,20 +45,7 @@ METHODS = {
     "kivi": "KIVI-4",
     "static_mix": "Static mix",
 }
-GROUP_ORDER = (
-    "simple",
-    "multiple",
-    "parallel",
-    "parallel_multiple",
-    "live_simple",
-    "live_multiple",
-    "live_parallel",
-    "live_parallel_multiple",
-    "easy",
-    "medium",
-    "hard",
-    "extra",
-)
+GROUP_ORDER = (*CATEGORIES, *LEVELS)  # BFCL categories, then Spider difficulty levels
 COLORS = {
     "full": "0.35",
     "pask": "tab:red",

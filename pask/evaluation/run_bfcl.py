@@ -131,6 +131,54 @@ def read_done(path: Path, key: Callable[[dict], object] = lambda row: row["id"])
     return done
 
 
+def run_resumable(
+    lm: LoadedModel,
+    cases: list,
+    out_dir: Path,
+    batch_size: int,
+    prepare_fn: Callable,
+    error_row: Callable,
+    score_fn: Callable,
+    policy=None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[int, float]:
+    """The resumable batched loop shared by the task runners; returns (cases run, wall seconds).
+
+    Cases already in ``out_dir/cases.jsonl`` are skipped (a torn last line is dropped first);
+    ``prepare_fn(case) -> (Request, error or None)``; a case with an error is written as
+    ``error_row(case, request, error)`` without running; the others are decoded in batches sorted
+    by prompt length and written as ``score_fn(case, generation, request)`` (dataclass rows), one
+    line per case, flushed after every batch.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "cases.jsonl"
+    repair_jsonl(jsonl)
+    done = read_done(jsonl)
+    todo = [c for c in cases if c.id not in done]
+    if progress:
+        progress(len(cases) - len(todo))
+    prepared = [(c, *prepare_fn(c)) for c in todo]
+    prepared.sort(key=lambda x: len(x[1].prompt_ids))  # less padding per batch
+    t0 = time.perf_counter()
+    n_run = 0
+    with open(jsonl, "a") as f:
+        for c, req, err in [p for p in prepared if p[2] is not None]:
+            f.write(json.dumps(asdict(error_row(c, req, err))) + "\n")
+            if progress:
+                progress(1)
+        runnable = [p for p in prepared if p[2] is None]
+        for i in range(0, len(runnable), batch_size):
+            chunk = runnable[i : i + batch_size]
+            gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
+            for (c, r, _), g in zip(chunk, gens, strict=True):
+                f.write(json.dumps(asdict(score_fn(c, g, r))) + "\n")
+            f.flush()
+            n_run += len(chunk)
+            if progress:
+                progress(len(chunk))
+    return n_run, time.perf_counter() - t0
+
+
 def run_bfcl(
     lm: LoadedModel,
     cases: list[FunctionCase],
@@ -145,37 +193,23 @@ def run_bfcl(
     """Evaluate cases (resuming from ``out_dir/cases.jsonl``) and write the summary; return it."""
     if batch_size < 1:
         raise PaskError("--batch-size must be >= 1")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    jsonl = out_dir / "cases.jsonl"
-    repair_jsonl(jsonl)
-    done = read_done(jsonl)
-    todo = [c for c in cases if c.id not in done]
-    if progress:
-        progress(len(cases) - len(todo))
     tagging = save_tags or getattr(policy, "needs_tags", False)
-    prepared = [(c, *prepare(lm, c, max_new_tokens, tagging=tagging)) for c in todo]
-    prepared.sort(key=lambda x: len(x[1].prompt_ids))  # less padding per batch
-    t0 = time.perf_counter()
-    n_run = 0
-    with open(jsonl, "a") as f:
-        for c, _req, err in [p for p in prepared if p[2] is not None]:
-            row = CaseResult(
-                c.id, c.category, len(_req.prompt_ids), "", None, False, False, err, "schema_error", 0, 0, 0
-            )
-            f.write(json.dumps(asdict(row)) + "\n")
-            if progress:
-                progress(1)
-        runnable = [p for p in prepared if p[2] is None]
-        for i in range(0, len(runnable), batch_size):
-            chunk = runnable[i : i + batch_size]
-            gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
-            for (c, r, _), g in zip(chunk, gens, strict=True):
-                f.write(json.dumps(asdict(score(c, g, r, save_tags))) + "\n")
-            f.flush()
-            n_run += len(chunk)
-            if progress:
-                progress(len(chunk))
-    wall = time.perf_counter() - t0
+
+    def error_row(c, req, err: str) -> CaseResult:
+        return CaseResult(c.id, c.category, len(req.prompt_ids), "", None, False, False, err, "schema_error", 0, 0, 0)
+
+    n_run, wall = run_resumable(
+        lm,
+        cases,
+        out_dir,
+        batch_size,
+        lambda c: prepare(lm, c, max_new_tokens, tagging=tagging),
+        error_row,
+        lambda c, g, r: score(c, g, r, save_tags),
+        policy,
+        progress,
+    )
+    jsonl = out_dir / "cases.jsonl"
     rows = list(read_done(jsonl).values())
     wanted = {c.id for c in cases}
     rows = [r for r in rows if r["id"] in wanted]

@@ -14,15 +14,14 @@ per-case ``b_total``; 1.0 for Full KV).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from pask.engine import Generation, Request, eos_ids, generate
+from pask.engine import Generation, Request, eos_ids
 from pask.errors import PaskError
-from pask.evaluation.run_bfcl import read_done, repair_jsonl
+from pask.evaluation.run_bfcl import read_done, run_resumable
 from pask.evaluation.sql_exec import DEFAULT_TIMEOUT_S, execution_match
 from pask.models import LoadedModel
 from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
@@ -180,36 +179,23 @@ def run_sql(
         raise PaskError("--batch-size must be >= 1")
     if max_new_tokens < 1:
         raise PaskError("--max-new-tokens must be >= 1")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    jsonl = out_dir / "cases.jsonl"
-    repair_jsonl(jsonl)
-    done = read_done(jsonl)
-    todo = [c for c in cases if c.id not in done]
-    if progress:
-        progress(len(cases) - len(todo))
     tagging = save_tags or getattr(policy, "needs_tags", False)
-    prepared = [(c, *prepare(lm, c, max_new_tokens, tagging, data_dir)) for c in todo]
-    prepared.sort(key=lambda x: len(x[1].prompt_ids))  # less padding per batch
-    t0 = time.perf_counter()
-    n_run = 0
-    with open(jsonl, "a") as f:
-        for c, req, err in [p for p in prepared if p[2] is not None]:
-            row = CaseResult(c.id, c.db_id, c.difficulty, len(req.prompt_ids), "", False, err, "schema_error", 0, 0, 0)
-            f.write(json.dumps(asdict(row)) + "\n")
-            if progress:
-                progress(1)
-        runnable = [p for p in prepared if p[2] is None]
-        for i in range(0, len(runnable), batch_size):
-            chunk = runnable[i : i + batch_size]
-            gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
-            for (c, r, _), g in zip(chunk, gens, strict=True):
-                row = score(c, g, database(c.db_id, data_dir).path, r, save_tags)
-                f.write(json.dumps(asdict(row)) + "\n")
-                f.flush()
-            n_run += len(chunk)
-            if progress:
-                progress(len(chunk))
-    wall = time.perf_counter() - t0
+
+    def error_row(c: Case, req: Request, err: str) -> CaseResult:
+        return CaseResult(c.id, c.db_id, c.difficulty, len(req.prompt_ids), "", False, err, "schema_error", 0, 0, 0)
+
+    n_run, wall = run_resumable(
+        lm,
+        cases,
+        out_dir,
+        batch_size,
+        lambda c: prepare(lm, c, max_new_tokens, tagging, data_dir),
+        error_row,
+        lambda c, g, r: score(c, g, database(c.db_id, data_dir).path, r, save_tags),
+        policy,
+        progress,
+    )
+    jsonl = out_dir / "cases.jsonl"
     wanted = {c.id for c in cases}
     rows = [r for r in read_done(jsonl).values() if r["id"] in wanted]
     summary = summarize(rows)
