@@ -10,6 +10,7 @@ import functools
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -586,25 +587,48 @@ def bench_serve_cmd(
     requests_per_client: Annotated[int, typer.Option(help="requests each client sends")] = 2,
     capacity_tokens: Annotated[int | None, typer.Option(help="logical KV capacity in Full-KV tokens")] = None,
     max_seconds: Annotated[float, typer.Option(help="per policy: no new request after this")] = 3600.0,
+    sample_every: Annotated[
+        float, typer.Option(help="seconds between RSS / KV-bytes samples (soak test: memory flat after warm-up)")
+    ] = 0.0,
+    reference: Annotated[bool, typer.Option(help="add Full KV as the reference run (off: a soak test)")] = True,
     table: Annotated[Path | None, typer.Option(help="frozen PASK table (for pask)")] = None,
     out: Annotated[Path, typer.Option(help="result stem: writes .json and .md")] = Path("benchmarks/results/serving"),
     dtype: str = "bf16",
     threads: int | None = None,
 ) -> None:
-    """Loopback load test: TPOT, throughput, peak KV bytes per policy vs Full KV, with the bandwidth-model limit."""
+    """Loopback load test: TPOT, throughput, peak KV bytes per policy vs Full KV, with the bandwidth-model limit.
+
+    A soak test: ``--no-reference --policies pask --concurrency 16 --requests-per-client 100000
+    --max-seconds 600 --sample-every 5`` (memory flat after warm-up, zero 5xx, zero malformed).
+    """
     from pask.models import load_model
     from pask.serving.bench import BenchConfig, bench_serve, markdown, write
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    if "full" not in names:
+    if reference and "full" not in names:
         names.insert(0, "full")
-    cfg = BenchConfig(concurrency, input_len, output_len, requests_per_client, capacity_tokens, max_seconds)
+    if not names:
+        raise PaskError("--policies needs at least one policy name")
+    cfg = BenchConfig(
+        concurrency, input_len, output_len, requests_per_client, capacity_tokens, max_seconds, sample_every=sample_every
+    )
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
     factories = {
         n: serving_policy_factory(n, None if n == "full" else budget, None, table, lm.fingerprint) for n in names
     }
-    result = bench_serve(lm, factories, cfg, progress=lambda n: console.print(f"policy {n}..."))
+    sent = [0]
+    t0 = time.perf_counter()
+
+    def on_request() -> None:
+        sent[0] += 1
+        if sent[0] % 10 == 0:
+            console.print(f"  {sent[0]} requests sent, {time.perf_counter() - t0:.0f} s")
+
+    command = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result = bench_serve(
+        lm, factories, cfg, progress=lambda n: console.print(f"policy {n}..."), on_request=on_request, command=command
+    )
     json_path, _ = write(result, out)
     print(markdown(result), end="")
     console.print(f"results: {json_path}")

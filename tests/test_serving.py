@@ -425,5 +425,36 @@ def test_bench_serve_smoke(smol, tmp_path):
     assert 1.0 < snap["bandwidth_limit"] < 1.2
     js, md = write(result, tmp_path / "serving")
     assert json.loads(js.read_text())["model"] == "smollm2-135m" and "| snapkv |" in md.read_text()
-    with pytest.raises(PaskError, match="reference"):
-        bench_serve(smol, {"snapkv": FullPolicy}, cfg)
+    with pytest.raises(PaskError, match="at least one policy"):
+        bench_serve(smol, {}, cfg)
+
+
+def test_soak_run_without_reference_samples_memory(smol):
+    """A soak run (no Full KV reference): requests cycle through the bodies, memory is sampled, ratios stay empty."""
+    from pask.serving.bench import BenchConfig, bench_serve, markdown
+
+    cfg = BenchConfig(concurrency=2, input_len=200, output_len=3, requests_per_client=3, sample_every=0.05)
+    sent = []
+    result = bench_serve(
+        smol, {"snapkv": lambda: get_policy("snapkv", budget=0.5)}, cfg, on_request=lambda: sent.append(1)
+    )
+    (row,) = result["policies"]
+    assert row["requests"] == len(sent) == 6 and row["errors_5xx"] == 0
+    assert row["tpot_speedup"] is None and row["throughput_gain"] is None
+    mem = row["memory"]
+    assert len(mem["samples"]) >= 4 and all(s[1] > 0 for s in mem["samples"])
+    assert mem["rss_growth"] is not None and "RSS growth" in markdown(result)
+
+
+def test_memory_summary_flags_growth_after_warmup():
+    from pask.serving.bench import memory_summary
+
+    flat = [(t, 1000 if t < 2 else 2000, 10, 1) for t in range(10)]  # warm-up growth only
+    leak = [(t, 1000 + 100 * t, 10, 1) for t in range(10)]
+    assert memory_summary(flat)["rss_growth"] == 1.0
+    assert memory_summary(leak)["rss_growth"] > 1.2
+    assert memory_summary(leak[:2])["rss_growth"] is None
+    from pask.serving.bench import BenchConfig
+
+    with pytest.raises(PaskError, match="sample_every"):
+        BenchConfig(sample_every=-1)

@@ -34,6 +34,7 @@ from pask.serving.capacity import kv_bytes_per_token
 from pask.tasks.function_calling import NON_LIVE, FunctionCase, build_prompt, load_cases
 
 REF_POLICY = "full"
+MAX_BODIES = 256
 
 
 @dataclass
@@ -47,12 +48,15 @@ class BenchConfig:
     capacity_tokens: int | None = None
     max_seconds: float = 3600.0  # per policy: no new request after this
     seed: int = 0
+    sample_every: float = 0.0  # seconds between memory samples (0: none); the soak test's flatness check
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.requests_per_client < 1:
             raise PaskError("concurrency and requests per client must be >= 1")
         if self.input_len < 64 or self.output_len < 1:
             raise PaskError("input length must be >= 64 tokens and output length >= 1")
+        if self.sample_every < 0 or self.max_seconds <= 0:
+            raise PaskError("sample_every must be >= 0 and max_seconds > 0")
 
 
 @dataclass
@@ -73,7 +77,74 @@ class PolicyResult:
     peak_running: int = 0
     b_final: float | None = None  # held / full bytes of the finished requests at their end
     b_avg: float | None = None  # mean per-request time-averaged B
+    memory: dict | None = None  # soak samples and the flatness summary (see :func:`memory_summary`)
     extra: dict = field(default_factory=dict)
+
+
+# -- memory over time (soak test) ----------------------------------------------------------------
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc``; 0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class MemorySampler:
+    """Background thread recording ``(seconds, RSS bytes, KV bytes held, running requests)``."""
+
+    def __init__(self, scheduler, every: float) -> None:
+        self.scheduler, self.every = scheduler, every
+        self.samples: list[tuple[float, int, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.perf_counter()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sch = self.scheduler
+            try:  # read while the scheduler thread steps: a torn read is skipped, not fatal
+                held, running = (sch.cache.held_bytes() if sch.running else 0), len(sch.running)
+            except Exception:
+                held, running = -1, -1
+            if held >= 0:
+                self.samples.append((time.perf_counter() - self._t0, rss_bytes(), held, running))
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def memory_summary(samples: list[tuple[float, int, int, int]], warmup: float = 0.2) -> dict:
+    """Flatness after warm-up: peak RSS and KV bytes in the first and second half of the post-warm-up samples.
+
+    ``rss_growth`` is the second half's peak RSS over the first half's (1.0 = flat); a leak shows
+    as growth that a bounded KV (``kv_peak_*``) does not explain.
+    """
+    if len(samples) < 4:
+        return {"samples": samples, "rss_growth": None}
+    t_end = samples[-1][0]
+    post = [s for s in samples if s[0] >= warmup * t_end]
+    half = len(post) // 2
+    first, second = post[:half], post[half:]
+    rss1, rss2 = max(s[1] for s in first), max(s[1] for s in second)
+    return {
+        "samples": samples,
+        "warmup_s": warmup * t_end,
+        "rss_peak_first_mib": rss1 / 2**20,
+        "rss_peak_second_mib": rss2 / 2**20,
+        "rss_growth": rss2 / rss1 if rss1 else None,
+        "kv_peak_first_mib": max(s[2] for s in first) / 2**20,
+        "kv_peak_second_mib": max(s[2] for s in second) / 2**20,
+    }
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -168,8 +239,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_policy(lm: LoadedModel, name: str, factory: Callable, bodies: list[dict], cfg: BenchConfig) -> PolicyResult:
-    """Serve ``lm`` with one policy on a loopback port and drive it with ``cfg.concurrency`` clients."""
+def run_policy(
+    lm: LoadedModel,
+    name: str,
+    factory: Callable,
+    bodies: list[dict],
+    cfg: BenchConfig,
+    progress: Callable[[], None] | None = None,
+) -> PolicyResult:
+    """Serve ``lm`` with one policy on a loopback port and drive it with ``cfg.concurrency`` clients.
+
+    ``progress`` is called as each request is sent.
+    """
     import httpx2 as httpx
     import uvicorn
 
@@ -201,6 +282,8 @@ def run_policy(lm: LoadedModel, name: str, factory: Callable, bodies: list[dict]
                     if time.time() > stop_at:
                         return
                     body = bodies[(k * cfg.requests_per_client + j) % len(bodies)]
+                    if progress:
+                        progress()
                     r = c.post(url, json=body)
                     with lock:
                         res.requests += 1
@@ -215,11 +298,15 @@ def run_policy(lm: LoadedModel, name: str, factory: Callable, bodies: list[dict]
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client, args=(k,)) for k in range(cfg.concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        sampler = MemorySampler(service.scheduler, cfg.sample_every or 3600.0)
+        with sampler:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         res.wall_s = time.perf_counter() - t0
+        if cfg.sample_every:
+            res.memory = memory_summary(sampler.samples)
         sch = service.scheduler
         res.peak_kv_bytes, res.peak_running = sch.peak_held_bytes, sch.peak_running
         res.b_final = sch.snapshot()["b_finished"]
@@ -244,35 +331,44 @@ def bandwidth_limit(weight_bytes: int, kv_per_token: int, context: float, concur
 
 
 def bench_serve(
-    lm: LoadedModel, factories: dict[str, Callable], cfg: BenchConfig, progress: Callable[[str], None] | None = None
+    lm: LoadedModel,
+    factories: dict[str, Callable],
+    cfg: BenchConfig,
+    progress: Callable[[str], None] | None = None,
+    on_request: Callable[[], None] | None = None,
+    command: str | None = None,
 ) -> dict:
-    """Run every policy (Full KV first, as the reference) and relate each to it; returns a JSON-able dict."""
-    if REF_POLICY not in factories:
-        raise PaskError("the serving benchmark needs the 'full' policy as its reference")
-    n = cfg.concurrency * cfg.requests_per_client
+    """Run every policy (Full KV first, as the reference) and relate each to it; returns a JSON-able dict.
+
+    ``progress`` gets each policy's name as it starts, ``on_request`` a call per request sent.
+    """
+    if not factories:
+        raise PaskError("the serving benchmark needs at least one policy")
+    n = min(cfg.concurrency * cfg.requests_per_client, MAX_BODIES)  # a soak test cycles through them
     bodies = build_bodies(lm.tokenizer, lm.name, n, cfg)
     weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     per_token = kv_bytes_per_token(lm.model.config, next(lm.model.parameters()).dtype)
     results = {}
-    for name in [REF_POLICY, *[p for p in factories if p != REF_POLICY]]:
+    order = [REF_POLICY] if REF_POLICY in factories else []
+    for name in [*order, *[p for p in factories if p != REF_POLICY]]:
         if progress:
             progress(name)
-        results[name] = run_policy(lm, name, factories[name], bodies, cfg)
-    ref = results[REF_POLICY]
+        results[name] = run_policy(lm, name, factories[name], bodies, cfg, on_request)
+    ref = results.get(REF_POLICY)  # without Full KV in the run (a soak test) the ratios stay empty
     context = cfg.input_len + cfg.output_len / 2
     rows = []
     for r in results.values():
         b = r.b_avg if r.b_avg is not None else 1.0
         limit = bandwidth_limit(weights, per_token, context, cfg.concurrency, b)
-        speedup = ref.tpot_ms / r.tpot_ms if r.tpot_ms else None
+        speedup = ref.tpot_ms / r.tpot_ms if ref and r.tpot_ms else None
         rows.append(
             {
                 **asdict(r),
                 "tpot_speedup": speedup,
                 "bandwidth_limit": limit,
                 "share_of_limit": (speedup - 1) / (limit - 1) if speedup and limit > 1 + 1e-9 else None,
-                "throughput_gain": r.throughput_tps / ref.throughput_tps if ref.throughput_tps else None,
-                "peak_kv_ratio": r.peak_kv_bytes / ref.peak_kv_bytes if ref.peak_kv_bytes else None,
+                "throughput_gain": r.throughput_tps / ref.throughput_tps if ref and ref.throughput_tps else None,
+                "peak_kv_ratio": r.peak_kv_bytes / ref.peak_kv_bytes if ref and ref.peak_kv_bytes else None,
             }
         )
     return {
@@ -282,6 +378,7 @@ def bench_serve(
         "kv_bytes_per_token": per_token,
         "decode_context": context,
         "policies": rows,
+        "command": command,
     }
 
 
@@ -317,6 +414,24 @@ def markdown(result: dict) -> str:
             str(r["malformed"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    mem = [r for r in result["policies"] if r.get("memory") and r["memory"].get("rss_growth") is not None]
+    if mem:
+        lines += [
+            "",
+            "Memory after warm-up (peak RSS and KV bytes held, first vs second half of the run)",
+            "",
+            "| policy | warm-up s | RSS MiB first | RSS MiB second | RSS growth | KV MiB first | KV MiB second |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in mem:
+            m = r["memory"]
+            lines.append(
+                f"| {r['policy']} | {m['warmup_s']:.0f} | {m['rss_peak_first_mib']:.0f} | "
+                f"{m['rss_peak_second_mib']:.0f} | {m['rss_growth']:.3f}x | {m['kv_peak_first_mib']:.1f} | "
+                f"{m['kv_peak_second_mib']:.1f} |"
+            )
+    if result.get("command"):
+        lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
 
 
