@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pask.errors import PaskError
 from pask.models import DEFAULT_MODEL
+from pask.sweep import code_version
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Parser-aware structural KV persistence.")
 eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a model + KV policy on a task.")
@@ -172,6 +173,7 @@ def eval_bfcl(
         kv_policy = make_pask_policy(table, budget, fingerprint=lm.fingerprint, allow_transfer=allow_transfer)
     meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats}
     meta["command"] = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    meta["code_version"] = code_version()
     with progress_bar() as bar:
         task = bar.add_task(f"bfcl {policy}", total=len(cases))
         advance = lambda n: bar.advance(task, n)  # noqa: E731
@@ -447,6 +449,7 @@ def eval_sql(
     if data_dir is not None:
         meta["data_dir"] = str(data_dir)
     meta["command"] = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    meta["code_version"] = code_version()
     with progress_bar() as bar:
         task = bar.add_task(f"sql {policy}", total=len(cases))
         advance = lambda n: bar.advance(task, n)  # noqa: E731
@@ -467,6 +470,9 @@ def sweep(
     threads: Annotated[int | None, typer.Option(help="torch threads per process (overrides the config)")] = None,
     shard_size: Annotated[int | None, typer.Option(help="cases per Ray task (default: spread over the CPUs)")] = None,
     dry_run: Annotated[bool, typer.Option(help="list the cells and what a run would do; run nothing")] = False,
+    adopt: Annotated[
+        bool, typer.Option(help="take finished `pask eval` results of the same cell (model, policy, budget, cases)")
+    ] = False,
 ) -> None:
     """Run an evaluation sweep: resumable cells, one progress bar, per-cell timing in sweep.json."""
     from pask.sweep import code_version, load_config, plan, run_sweep
@@ -482,7 +488,7 @@ def sweep(
         def progress(done: int, total: int, cell: str) -> None:
             bar.update(task, completed=done, total=total, description=f"sweep {cell}".rstrip())
 
-        record = run_sweep(cfg, overwrite=force, progress=progress, ray_address=ray, shard_size=shard_size)
+        record = run_sweep(cfg, overwrite=force, progress=progress, ray_address=ray, shard_size=shard_size, adopt=adopt)
     lines = ["| cell | state | n | run now | wall s | accuracy | B |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, c in record["cells"].items():
         acc = "–" if c.get("accuracy") is None else f"{c['accuracy']:.2f}"

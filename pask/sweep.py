@@ -599,11 +599,53 @@ class CellPlan:
     n_done: int = 0
 
 
-def plan(config: SweepConfig, version: dict, overwrite: bool = False, dry_run: bool = False) -> list[CellPlan]:
+def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict) -> str | None:
+    """Give finished ``pask eval`` results in ``cell_dir`` a manifest; return why not (or None).
+
+    Adopted when ``summary.json``'s run record names this cell's model, policy, budget, split (and
+    BFCL categories) and ``cases.jsonl`` holds exactly one row per case of the cell. The manifest
+    is marked ``adopted`` with the eval's own command and takes the current code version (a
+    ``pask eval`` summary did not record one before: adopting vouches that the code did not change
+    the results since, and a later code change makes the cell refuse as usual).
+    """
+    try:
+        run = json.loads((cell_dir / "summary.json").read_text()).get("run", {})
+    except (OSError, json.JSONDecodeError):
+        return "no readable summary.json"
+    want = {"model": cell.model, "policy": cell.policy, "budget": cell.budget, "split": cell.split}
+    if "categories" in cell.options:
+        want["categories"] = list(cell.options["categories"])
+    if diff := [f"{k} {run.get(k)!r} != {v!r}" for k, v in want.items() if run.get(k) != v]:
+        return "its summary is another run: " + ", ".join(diff)
+    rows, ids = read_rows(cell_dir / "cases.jsonl"), {c.id for c in cases}
+    if set(rows) != ids:
+        have, extra = len(set(rows) & ids), len(set(rows) - ids)
+        return f"its cases.jsonl holds {have}/{len(ids)} of the cell's cases and {extra} others"
+    man = {
+        "cell": {k: getattr(cell, k) for k in ("model", "task", "split", "policy", "budget")},
+        "spec": cell.spec(),
+        "config_hash": cell.config_hash(),
+        "code_version": version,
+        "n_cases": len(cases),
+        "created": _now(),
+        "wall_s": float(run.get("wall_s_this_run") or 0.0),
+        "runs": [],
+        "adopted": {"command": run.get("command"), "code_version": run.get("code_version"), "at": _now()},
+        "status": "done",
+        "finished": _now(),
+    }
+    write_json(cell_dir / CELL_FILE, man)
+    return None
+
+
+def plan(
+    config: SweepConfig, version: dict, overwrite: bool = False, dry_run: bool = False, adopt: bool = False
+) -> list[CellPlan]:
     """Check every cell's manifest against this config and code version, then classify the cells.
 
     All conflicts are reported at once, before anything runs or is deleted (``dry_run``: they are
-    returned as state ``refused`` and nothing is deleted).
+    returned as state ``refused`` and nothing is deleted). ``adopt``: finished ``pask eval``
+    results without a manifest become done cells (:func:`adopt_cell`; not in a dry run).
     """
     entries, conflicts, loaded = [], [], {}
     for cell in config.cells:
@@ -620,6 +662,11 @@ def plan(config: SweepConfig, version: dict, overwrite: bool = False, dry_run: b
                 problem = f"made by code version {man.get('code_version', {}).get('key')} (this is {version['key']})"
         elif cell_dir.is_dir() and any(cell_dir.iterdir()):
             problem = f"holds results without {CELL_FILE} (not made by a sweep)"
+            if adopt and not dry_run:
+                if why := adopt_cell(cell, cell_dir, loaded[key], version):
+                    problem += f"; not adopted: {why}"
+                else:
+                    problem, man = None, read_manifest(cell_dir)
         if problem:
             conflicts.append((cell_dir, problem))
         entries.append((cell, cell_dir, loaded[key], man, problem))
@@ -725,6 +772,7 @@ def run_sweep(
     ray_address: str | None = None,
     shard_size: int | None = None,
     load: Callable[[str, str], Any] | None = None,
+    adopt: bool = False,
 ) -> dict:
     """Run every unfinished cell (in-process, or as Ray tasks when ``ray_address`` is given).
 
@@ -732,7 +780,7 @@ def run_sweep(
     model is loaded once for all its cells. Writes and returns ``sweep.json``'s content.
     """
     version = code_version()
-    plans = plan(config, version, overwrite)
+    plans = plan(config, version, overwrite, adopt=adopt)
     config.results_dir.mkdir(parents=True, exist_ok=True)
     record = {
         "config": config.source,

@@ -363,3 +363,44 @@ def test_ray_matches_in_process(tmp_path, smol):
         man = json.loads((remote.results_dir / cell.rel_dir / "cell.json").read_text())
         assert man["status"] == "done" and man["runs"][-1]["mode"] == "ray" and man["runs"][-1]["shards"] == 2
         assert not (remote.results_dir / cell.rel_dir / "shards").exists()
+
+
+def _eval_results(cell_dir: Path, ids: list[str], **run) -> None:
+    """What `pask eval` leaves: cases.jsonl and a summary whose run record names the cell."""
+    cell_dir.mkdir(parents=True)
+    rows = [{"id": i, "category": "simple", "correct": True, "valid": True, "stop_reason": "eos"} for i in ids]
+    (cell_dir / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (cell_dir / "summary.json").write_text(json.dumps({**summarize(rows), "run": run}) + "\n")
+
+
+def test_adopts_finished_eval_results_of_the_same_cell(tmp_path, fake):
+    cfg = parse_config(fake_config(tmp_path, policies=["kivi-4"]), tmp_path)
+    (cell,) = cfg.cells
+    cell_dir = cfg.results_dir / cell.rel_dir
+    run = {"model": cell.model, "policy": "kivi-4", "budget": 0.5, "split": "test", "command": "pask eval ..."}
+    _eval_results(cell_dir, [f"case{i}" for i in range(4)], **run)
+    with pytest.raises(PaskError, match=r"without cell\.json"):
+        run_sweep(cfg, load=no_model)
+    record = run_sweep(cfg, load=lambda *a: pytest.fail("an adopted cell must not run"), adopt=True)
+    assert fake == [] and record["cells"][cell.name]["state"] == "done"
+    man = json.loads((cell_dir / "cell.json").read_text())
+    assert man["adopted"]["command"] == "pask eval ..." and man["config_hash"] == cell.config_hash()
+    assert run_sweep(cfg, load=no_model)["cells"][cell.name]["state"] == "done"  # a plain rerun keeps it
+
+
+@pytest.mark.parametrize(
+    "ids, run_over, why",
+    [
+        ([f"case{i}" for i in range(3)], {}, "3/4"),  # a case missing
+        ([f"case{i}" for i in range(4)], {"budget": 0.4}, "budget 0.4 != 0.5"),
+        ([f"case{i}" for i in range(4)], {"policy": "h2o"}, "policy 'h2o'"),
+    ],
+)
+def test_adopt_refuses_other_runs(tmp_path, fake, ids, run_over, why):
+    cfg = parse_config(fake_config(tmp_path, policies=["kivi-4"]), tmp_path)
+    (cell,) = cfg.cells
+    run = {"model": cell.model, "policy": "kivi-4", "budget": 0.5, "split": "test", **run_over}
+    _eval_results(cfg.results_dir / cell.rel_dir, ids, **run)
+    with pytest.raises(PaskError, match=f"not adopted: .*{why}"):
+        run_sweep(cfg, load=no_model, adopt=True)
+    assert not (cfg.results_dir / cell.rel_dir / "cell.json").exists()
