@@ -74,6 +74,44 @@ def progress_bar() -> Progress:
     )
 
 
+def _policy_builder(task: str, policy: str, budget: float | None, config: str | None, table, allow_transfer: bool):
+    """Check an eval's policy arguments before the model loads; return ``lm -> KV policy`` (None: Full KV)."""
+    if budget is not None and not 0 < budget <= 1:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if policy != "pask":
+        kv_policy = make_policy(policy, budget, config)
+        return lambda lm: kv_policy
+    if table is None:
+        raise PaskError(f"--policy pask needs --table FILE (made by `pask calibrate --task {task}`)")
+
+    def build(lm):
+        from pask.policies.pask import make_pask_policy
+
+        kv_policy = make_pask_policy(table, budget, fingerprint=lm.fingerprint, allow_transfer=allow_transfer)
+        if kv_policy.table.task != task:
+            raise PaskError(f"{table} was calibrated for task '{kv_policy.table.task}', not '{task}'")
+        return kv_policy
+
+    return build
+
+
+def _command() -> str:
+    """This process's command line as a shell would retype it."""
+    return "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _run_meta(meta: dict) -> dict:
+    """An eval's run record plus the command line and the code version that made it."""
+    return {**meta, "command": _command(), "code_version": code_version()}
+
+
+def _with_progress(label: str, total: int, run):
+    """``run(advance)`` under one progress bar of ``total`` cases."""
+    with progress_bar() as bar:
+        task = bar.add_task(label, total=total)
+        return run(lambda n: bar.advance(task, n))
+
+
 @app.command()
 @user_errors
 def generate(
@@ -159,25 +197,17 @@ def eval_bfcl(
     cases = load_cases(cats, split=split, limit=limit)  # validates categories/split before the model loads
     if not cases:
         raise PaskError(f"no cases for categories {cats} in split '{split}'")
-    if budget is not None and not 0 < budget <= 1:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
-    if policy == "pask" and table is None:
-        raise PaskError("--policy pask needs --table FILE (made by `pask calibrate`)")
-    kv_policy = None if policy == "pask" else make_policy(policy, budget, policy_config)
+    build = _policy_builder("bfcl", policy, budget, policy_config, table, allow_transfer)
     out = out or Path("runs") / f"bfcl-{model.replace('/', '_')}-{policy}-{split}"
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
-    if policy == "pask":
-        from pask.policies.pask import make_pask_policy
-
-        kv_policy = make_pask_policy(table, budget, fingerprint=lm.fingerprint, allow_transfer=allow_transfer)
-    meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats}
-    meta["command"] = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    meta["code_version"] = code_version()
-    with progress_bar() as bar:
-        task = bar.add_task(f"bfcl {policy}", total=len(cases))
-        advance = lambda n: bar.advance(task, n)  # noqa: E731
-        summary = run_bfcl(lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags)
+    kv_policy = build(lm)
+    meta = _run_meta({"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats})
+    summary = _with_progress(
+        f"bfcl {policy}",
+        len(cases),
+        lambda advance: run_bfcl(lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags),
+    )
     print(table_markdown(summary, meta))
     console.print(f"results: {out}/")
 
@@ -431,29 +461,22 @@ def eval_sql(
     cases = select_cases(split, limit, data_dir)  # checks the data and every database before the model loads
     if not cases:
         raise PaskError(f"no text-to-SQL cases in split '{split}'")
-    if budget is not None and not 0 < budget <= 1:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
-    if policy == "pask" and table is None:
-        raise PaskError("--policy pask needs --table FILE (made by `pask calibrate --task sql`)")
-    kv_policy = None if policy == "pask" else make_policy(policy, budget, policy_config)
+    build = _policy_builder("sql", policy, budget, policy_config, table, allow_transfer)
     out = out or Path("runs") / f"sql-{model.replace('/', '_')}-{policy}-{split}"
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
-    if policy == "pask":
-        from pask.policies.pask import make_pask_policy
-
-        kv_policy = make_pask_policy(table, budget, fingerprint=lm.fingerprint, allow_transfer=allow_transfer)
-        if kv_policy.table.task != "sql":
-            raise PaskError(f"{table} was calibrated for task '{kv_policy.table.task}', not 'sql'")
+    kv_policy = build(lm)
     meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "limit": limit}
     if data_dir is not None:
         meta["data_dir"] = str(data_dir)
-    meta["command"] = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    meta["code_version"] = code_version()
-    with progress_bar() as bar:
-        task = bar.add_task(f"sql {policy}", total=len(cases))
-        advance = lambda n: bar.advance(task, n)  # noqa: E731
-        summary = run_sql(lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags, data_dir)
+    meta = _run_meta(meta)
+    summary = _with_progress(
+        f"sql {policy}",
+        len(cases),
+        lambda advance: run_sql(
+            lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags, data_dir
+        ),
+    )
     print(table_markdown(summary, meta))
     console.print(f"results: {out}/")
 
@@ -631,7 +654,7 @@ def bench_serve_cmd(
         if sent[0] % 10 == 0:
             console.print(f"  {sent[0]} requests sent, {time.perf_counter() - t0:.0f} s")
 
-    command = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = _command()
     result = bench_serve(
         lm, factories, cfg, progress=lambda n: console.print(f"policy {n}..."), on_request=on_request, command=command
     )
@@ -664,7 +687,7 @@ def _bench_policy_overhead(
     lm = load_model(model)
     test_cases = load_cases(list(NON_LIVE), split="test", limit=cases)
     result = bench_policy_overhead(lm, names, budget, test_cases, batch_size, table=table)
-    command = "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = _command()
     md = overhead_markdown(result, command)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
