@@ -209,16 +209,27 @@ def run_bfcl(
         policy,
         progress,
     )
-    jsonl = out_dir / "cases.jsonl"
-    rows = list(read_done(jsonl).values())
+    return write_summary(out_dir, cases, n_run, wall, meta, summarize, table_markdown)
+
+
+def write_summary(
+    out_dir: Path,
+    cases: list,
+    n_run: int,
+    wall: float,
+    meta: dict | None,
+    summarize: Callable[[list[dict]], dict],
+    markdown: Callable[[dict, dict | None], str],
+) -> dict:
+    """Summarise the rows of ``cases`` in ``out_dir/cases.jsonl`` with this run's record; write summary.json/.md."""
     wanted = {c.id for c in cases}
-    rows = [r for r in rows if r["id"] in wanted]
+    rows = [r for r in read_done(out_dir / "cases.jsonl").values() if r["id"] in wanted]
     summary = summarize(rows)
     summary["run"] = {**(meta or {}), "cases_this_run": n_run, "wall_s_this_run": round(wall, 1)}
     if n_run:
         summary["run"]["cases_per_s"] = round(n_run / wall, 3)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / "summary.md").write_text(table_markdown(summary, meta))
+    (out_dir / "summary.md").write_text(markdown(summary, meta))
     return summary
 
 

@@ -13,7 +13,6 @@ per-case ``b_total``; 1.0 for Full KV).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from pask.engine import Generation, Request, eos_ids
 from pask.errors import PaskError
-from pask.evaluation.run_bfcl import read_done, run_resumable
+from pask.evaluation.run_bfcl import run_resumable, write_summary
 from pask.evaluation.sql_exec import DEFAULT_TIMEOUT_S, execution_match
 from pask.models import LoadedModel
 from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
@@ -195,16 +194,7 @@ def run_sql(
         policy,
         progress,
     )
-    jsonl = out_dir / "cases.jsonl"
-    wanted = {c.id for c in cases}
-    rows = [r for r in read_done(jsonl).values() if r["id"] in wanted]
-    summary = summarize(rows)
-    summary["run"] = {**(meta or {}), "cases_this_run": n_run, "wall_s_this_run": round(wall, 1)}
-    if n_run:
-        summary["run"]["s_per_case"] = round(wall / n_run, 2)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / "summary.md").write_text(table_markdown(summary, meta))
-    return summary
+    return write_summary(out_dir, cases, n_run, wall, meta, summarize, table_markdown)
 
 
 def _bucket(rows: list[dict]) -> dict:
