@@ -502,7 +502,7 @@ def sweep(
 
     cfg = load_config(config, results_dir=results, threads=threads)
     if dry_run:
-        for p in plan(cfg, code_version(), overwrite=force, dry_run=True):
+        for p in plan(cfg, code_version(), overwrite=force, dry_run=True, adopt=adopt):
             print(f"{p.state:7s} {p.n_done:5d}/{len(p.cases):<5d} {p.dir}")
         return
     with progress_bar() as bar:

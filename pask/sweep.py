@@ -599,7 +599,7 @@ class CellPlan:
     n_done: int = 0
 
 
-def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict) -> str | None:
+def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bool = True) -> str | None:
     """Give finished ``pask eval`` results in ``cell_dir`` a manifest; return why not (or None).
 
     Adopted when ``summary.json``'s run record names this cell's model, policy, budget, split (and
@@ -621,6 +621,8 @@ def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict) -> str | 
     if set(rows) != ids:
         have, extra = len(set(rows) & ids), len(set(rows) - ids)
         return f"its cases.jsonl holds {have}/{len(ids)} of the cell's cases and {extra} others"
+    if not write:
+        return None
     man = {
         "cell": {k: getattr(cell, k) for k in ("model", "task", "split", "policy", "budget")},
         "spec": cell.spec(),
@@ -645,7 +647,7 @@ def plan(
 
     All conflicts are reported at once, before anything runs or is deleted (``dry_run``: they are
     returned as state ``refused`` and nothing is deleted). ``adopt``: finished ``pask eval``
-    results without a manifest become done cells (:func:`adopt_cell`; not in a dry run).
+    results without a manifest become done cells (:func:`adopt_cell`; state ``adopt`` in a dry run).
     """
     entries, conflicts, loaded = [], [], {}
     for cell in config.cells:
@@ -654,7 +656,7 @@ def plan(
             loaded[key] = cell.load_cases()
         cell_dir = config.results_dir / cell.rel_dir
         man = read_manifest(cell_dir)
-        problem = None
+        problem, adoptable = None, False
         if man is not None:
             if man.get("config_hash") != cell.config_hash():
                 problem = f"made with another configuration (hash {man.get('config_hash')} != {cell.config_hash()})"
@@ -662,14 +664,16 @@ def plan(
                 problem = f"made by code version {man.get('code_version', {}).get('key')} (this is {version['key']})"
         elif cell_dir.is_dir() and any(cell_dir.iterdir()):
             problem = f"holds results without {CELL_FILE} (not made by a sweep)"
-            if adopt and not dry_run:
-                if why := adopt_cell(cell, cell_dir, loaded[key], version):
+            if adopt:
+                if why := adopt_cell(cell, cell_dir, loaded[key], version, write=not dry_run):
                     problem += f"; not adopted: {why}"
+                elif dry_run:
+                    problem, adoptable = None, True
                 else:
                     problem, man = None, read_manifest(cell_dir)
         if problem:
             conflicts.append((cell_dir, problem))
-        entries.append((cell, cell_dir, loaded[key], man, problem))
+        entries.append((cell, cell_dir, loaded[key], man, problem, adoptable))
     if conflicts and not overwrite and not dry_run:
         lines = [f"  {d}: {p}" for d, p in conflicts[:10]]
         more = f"\n  ... and {len(conflicts) - 10} more" if len(conflicts) > 10 else ""
@@ -678,7 +682,10 @@ def plan(
             "rerun with --force to delete and recompute them (or use another results_dir)"
         )
     out = []
-    for cell, cell_dir, cases, man, problem in entries:
+    for cell, cell_dir, cases, man, problem, adoptable in entries:
+        if adoptable:
+            out.append(CellPlan(cell, cell_dir, cases, "adopt", len(cases)))
+            continue
         if problem and dry_run:
             out.append(CellPlan(cell, cell_dir, cases, "refused" if not overwrite else "new"))
             continue

@@ -381,6 +381,8 @@ def test_adopts_finished_eval_results_of_the_same_cell(tmp_path, fake):
     _eval_results(cell_dir, [f"case{i}" for i in range(4)], **run)
     with pytest.raises(PaskError, match=r"without cell\.json"):
         run_sweep(cfg, load=no_model)
+    (p,) = sweep.plan(cfg, sweep.code_version(), dry_run=True, adopt=True)
+    assert p.state == "adopt" and not (cell_dir / "cell.json").exists()  # a dry run writes nothing
     record = run_sweep(cfg, load=lambda *a: pytest.fail("an adopted cell must not run"), adopt=True)
     assert fake == [] and record["cells"][cell.name]["state"] == "done"
     man = json.loads((cell_dir / "cell.json").read_text())
