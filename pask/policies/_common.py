@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from pask.errors import PaskError
 from pask.kv.actions import Action
+from pask.kv.stats import ALL
 from pask.policies.base import ActionSpec, SeqContext
 
 BIG = 1e12  # priority step between protected classes (attention sums stay far below it)
@@ -187,3 +188,65 @@ def accumulate_step(store: dict, ctx: SeqContext, policy: str) -> None:
     acc = extend(store[ctx.seq], ctx.length)
     acc[..., : ctx.length] += step
     store[ctx.seq] = acc
+
+
+def check_window_scorer(policy, pooling: tuple[str, ...] = ("avg", "max")) -> None:
+    """Validate the observation-window scorer fields (``window``, ``kernel``, ``pooling``, ``head_reduce``)."""
+    check_int(policy.window, 1, "window", policy.name)
+    check_kernel(policy.kernel, policy.name)
+    if hasattr(policy, "pooling"):
+        check_choice(policy.pooling, pooling, "pooling", policy.name)
+    check_choice(policy.head_reduce, REDUCES, "head_reduce", policy.name)
+
+
+def with_generated(prompt_priority: torch.Tensor, n: int) -> torch.Tensor:
+    """Prompt priorities ``[G, P]`` extended to ``n`` positions: generated tokens above all prompt tokens."""
+    g, p = prompt_priority.shape
+    if n <= p:
+        return prompt_priority
+    pos = torch.arange(p, n, dtype=torch.float64)
+    return torch.cat([prompt_priority, (4 * BIG + pos).expand(g, n - p)], dim=1)
+
+
+class PromptRanked:
+    """Mixin of the policies that rank the prompt once, at prefill, from the observation window.
+
+    The subclass gives ``prompt_priority(ctx) -> [G, P]``, a ``window`` field and a ``_prio`` dict
+    field. Every plan holds ``round(budget · n)`` tokens: generated tokens above the prompt, the
+    lowest-ranked prompt tokens released first (so the kept prompt set is always a prefix of the
+    prefill ranking).
+    """
+
+    @property
+    def prefill_window(self) -> int:
+        return self.window
+
+    def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
+        if ctx.seq == 0:
+            self._prio.clear()
+        self._prio[ctx.seq] = self.prompt_priority(ctx)
+        return self.step_actions(ctx)
+
+    def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
+        pr = with_generated(self._prio[ctx.seq], ctx.length)
+        return release_to_count(ctx, pr, keep_count(self.budget, ctx.length))
+
+
+class AttentionAccumulating:
+    """Mixin of the policies that rank by accumulated attention (H2O's heavy hitters).
+
+    Asks for every prompt query's attention at prefill and each decode query's after every step;
+    the subclass gives a ``_acc`` dict field and ``_plan(ctx)``, called with the accumulation
+    up to date.
+    """
+
+    prefill_window = ALL
+    step_attention = True
+
+    def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
+        start_accumulation(self._acc, ctx, self.name)
+        return self._plan(ctx)
+
+    def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
+        accumulate_step(self._acc, ctx, self.name)
+        return self._plan(ctx)

@@ -9,24 +9,21 @@ import torch
 
 from pask.policies._common import (
     BIG,
-    REDUCES,
+    PromptRanked,
     check_budget,
-    check_choice,
-    check_int,
-    check_kernel,
     check_range,
+    check_window_scorer,
     group_scores,
     groups_of,
     keep_count,
     need,
-    release_to_count,
 )
-from pask.policies.base import ActionSpec, SeqContext
-from pask.policies.snapkv import POOLINGS, window_scores, with_generated
+from pask.policies.base import SeqContext
+from pask.policies.snapkv import POOLINGS, window_scores
 
 
 @dataclass
-class CriticalKVPolicy:
+class CriticalKVPolicy(PromptRanked):
     """CriticalKV: identify critical KV cache entries from an output-perturbation perspective (Feng et al., 2025,
     arXiv 2502.03805).
 
@@ -82,14 +79,7 @@ class CriticalKVPolicy:
         self.budget = check_budget(self.budget, self.name)
         self.first_stage_ratio = check_range(self.first_stage_ratio, 0.0, 1.0, "first_stage_ratio", self.name)
         self.epsilon = check_range(self.epsilon, 0.0, 1.0, "epsilon", self.name)
-        check_int(self.window, 1, "window", self.name)
-        check_kernel(self.kernel, self.name)
-        check_choice(self.pooling, POOLINGS, "pooling", self.name)
-        check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
-
-    @property
-    def prefill_window(self) -> int:
-        return self.window
+        check_window_scorer(self, POOLINGS)
 
     def prompt_priority(self, ctx: SeqContext) -> torch.Tensor:
         """``[G, P]``: window, then stage-1 tokens by attention, then the rest by rescaled attention."""
@@ -113,16 +103,3 @@ class CriticalKVPolicy:
         pos = torch.arange(p, dtype=torch.float64)
         pr[:, m:] = 2 * BIG + pos[m:]
         return pr
-
-    def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        if ctx.seq == 0:
-            self._prio.clear()
-        self._prio[ctx.seq] = self.prompt_priority(ctx)
-        return self._plan(ctx)
-
-    def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        return self._plan(ctx)
-
-    def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
-        pr = with_generated(self._prio[ctx.seq], ctx.length)
-        return release_to_count(ctx, pr, keep_count(self.budget, ctx.length))

@@ -7,11 +7,10 @@ from typing import ClassVar
 
 import torch
 
-from pask.kv.stats import ALL
 from pask.policies._common import (
     BIG,
     REDUCES,
-    accumulate_step,
+    AttentionAccumulating,
     check_budget,
     check_choice,
     check_int,
@@ -19,13 +18,12 @@ from pask.policies._common import (
     groups_of,
     keep_count,
     release_to_count,
-    start_accumulation,
 )
 from pask.policies.base import ActionSpec, SeqContext
 
 
 @dataclass
-class H2OPolicy:
+class H2OPolicy(AttentionAccumulating):
     """H2O: Heavy-Hitter Oracle for efficient generative inference (Zhang et al., NeurIPS 2023).
 
     Every token's accumulated attention (the column sums of the attention of all queries seen so
@@ -60,8 +58,6 @@ class H2OPolicy:
     head_reduce: str = "sum"
 
     name: ClassVar[str] = "h2o"
-    prefill_window: ClassVar[int] = ALL
-    step_attention: ClassVar[bool] = True
     _acc: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,14 +65,6 @@ class H2OPolicy:
         check_int(self.sink, 0, "sink", self.name)
         check_int(self.recent, 0, "recent", self.name)
         check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
-
-    def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        start_accumulation(self._acc, ctx, self.name)
-        return self._plan(ctx)
-
-    def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        accumulate_step(self._acc, ctx, self.name)
-        return self._plan(ctx)
 
     def priority(self, acc: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
         """``[G, n]``: sinks, then recent tokens (newest first), then accumulated attention."""

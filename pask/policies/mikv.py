@@ -10,16 +10,14 @@ import torch
 
 from pask.errors import PaskError
 from pask.kv.actions import Action
-from pask.kv.stats import ALL
 from pask.policies._common import (
     REDUCES,
-    accumulate_step,
+    AttentionAccumulating,
     check_budget,
     check_choice,
     group_scores,
     groups_of,
     h_count,
-    start_accumulation,
 )
 from pask.policies.base import ActionSpec, SeqContext
 
@@ -27,7 +25,7 @@ H, L = int(Action.H), int(Action.L)
 
 
 @dataclass
-class MiKVPolicy:
+class MiKVPolicy(AttentionAccumulating):
     """MiKV: No token left behind — reliable KV cache compression via importance-aware mixed precision
     quantization (Yang et al., 2024, arXiv 2402.18096).
 
@@ -66,8 +64,6 @@ class MiKVPolicy:
     head_reduce: str = "sum"
 
     name: ClassVar[str] = "mikv"
-    prefill_window: ClassVar[int] = ALL
-    step_attention: ClassVar[bool] = True
     _acc: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,14 +71,6 @@ class MiKVPolicy:
         if self.bits != 4:
             raise PaskError(f"{self.name}: bits must be 4 (the cache has an INT4 tier only), got {self.bits!r}")
         check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
-
-    def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        start_accumulation(self._acc, ctx, self.name)
-        return self._plan(ctx)
-
-    def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        accumulate_step(self._acc, ctx, self.name)
-        return self._plan(ctx)
 
     def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
         n, c = ctx.length, ctx.int4_cost

@@ -9,13 +9,11 @@ import torch
 
 from pask.policies._common import (
     BIG,
-    REDUCES,
     R,
     check_budget,
-    check_choice,
     check_int,
-    check_kernel,
     check_range,
+    check_window_scorer,
     group_scores,
     groups_of,
     keep_count,
@@ -120,13 +118,11 @@ class RocketKVPolicy:
 
     def __post_init__(self) -> None:
         self.budget = check_budget(self.budget, self.name)
-        check_int(self.window, 1, "window", self.name)
-        check_kernel(self.kernel, self.name)
+        check_window_scorer(self)
         self.prefill_ratio = check_range(self.prefill_ratio, 0.0, 1.0, "prefill_ratio", self.name)
         check_int(self.topr, 1, "topr", self.name)
         check_int(self.page_size, 1, "page_size", self.name)
         self.page_factor = check_range(self.page_factor, 1.0, 1e6, "page_factor", self.name)
-        check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
 
     @property
     def prefill_window(self) -> int:

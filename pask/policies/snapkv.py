@@ -9,19 +9,15 @@ import torch
 
 from pask.policies._common import (
     BIG,
-    REDUCES,
+    PromptRanked,
     check_budget,
-    check_choice,
-    check_int,
-    check_kernel,
+    check_window_scorer,
     group_scores,
     groups_of,
-    keep_count,
     need,
     pool1d,
-    release_to_count,
 )
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import SeqContext
 
 POOLINGS = ("avg", "max")
 
@@ -37,7 +33,7 @@ def window_scores(att: torch.Tensor, prompt_len: int, window: int, kernel: int, 
 
 
 @dataclass
-class SnapKVPolicy:
+class SnapKVPolicy(PromptRanked):
     """SnapKV: LLM knows what you are looking for before generation (Li et al., NeurIPS 2024).
 
     The last ``window`` prompt queries (the observation window) vote for the prefix tokens: their
@@ -83,14 +79,7 @@ class SnapKVPolicy:
 
     def __post_init__(self) -> None:
         self.budget = check_budget(self.budget, self.name)
-        check_int(self.window, 1, "window", self.name)
-        check_kernel(self.kernel, self.name)
-        check_choice(self.pooling, POOLINGS, "pooling", self.name)
-        check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
-
-    @property
-    def prefill_window(self) -> int:
-        return self.window
+        check_window_scorer(self, POOLINGS)
 
     def prompt_priority(self, ctx: SeqContext) -> torch.Tensor:
         """``[G, P]``: the window (newest first) above the pooled prefix scores."""
@@ -104,25 +93,3 @@ class SnapKVPolicy:
         pr[:, win] = BIG + pos[win]
         return pr
 
-    def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        if ctx.seq == 0:
-            self._prio.clear()
-        self._prio[ctx.seq] = self.prompt_priority(ctx)
-        return self._plan(ctx)
-
-    def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        return self._plan(ctx)
-
-    def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
-        return release_to_count(
-            ctx, with_generated(self._prio[ctx.seq], ctx.length), keep_count(self.budget, ctx.length)
-        )
-
-
-def with_generated(prompt_priority: torch.Tensor, n: int) -> torch.Tensor:
-    """Prompt priorities ``[G, P]`` extended to ``n`` positions: generated tokens above all prompt tokens."""
-    g, p = prompt_priority.shape
-    if n <= p:
-        return prompt_priority
-    pos = torch.arange(p, n, dtype=torch.float64)
-    return torch.cat([prompt_priority, (4 * BIG + pos).expand(g, n - p)], dim=1)
