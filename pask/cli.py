@@ -47,6 +47,17 @@ def user_errors(fn):
     return wrapper
 
 
+# options shared by several commands
+ModelOpt = Annotated[str, typer.Option(help="embedded name, local dir or hub id")]
+BudgetOpt = Annotated[float | None, typer.Option(help="target total KV budget B in (0, 1]")]
+BatchOpt = Annotated[int, typer.Option(help="requests decoded together")]
+OutDirOpt = Annotated[Path | None, typer.Option(help="output dir (resumes if it has results)")]
+SaveTagsOpt = Annotated[bool, typer.Option(help="store per-token tags and prompt labels")]
+PolicyConfigOpt = Annotated[str | None, typer.Option(help="policy parameters as JSON")]
+TableOpt = Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")]
+TransferOpt = Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")]
+
+
 def _threads(n: int | None) -> None:
     import torch
 
@@ -116,7 +127,7 @@ def _with_progress(label: str, total: int, run):
 @user_errors
 def generate(
     request_file: Annotated[Path, typer.Argument(help="JSON file: {'messages': [...], 'tools': [...]}")],
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     max_new_tokens: int = 384,
     dtype: str = "bf16",
     threads: int | None = None,
@@ -170,23 +181,23 @@ def _read_request(path: Path) -> dict:
 @eval_app.command("bfcl")
 @user_errors
 def eval_bfcl(
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     policy: Annotated[str, typer.Option(help="KV policy")] = "full",
-    budget: Annotated[float | None, typer.Option(help="target total KV budget B in (0, 1]")] = None,
+    budget: BudgetOpt = None,
     split: Annotated[str, typer.Option(help="calibration | dev | test | all")] = "test",
     categories: Annotated[str, typer.Option(help="comma-separated BFCL categories")] = (
         "simple,multiple,parallel,parallel_multiple"
     ),
     limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
-    batch_size: Annotated[int, typer.Option(help="requests decoded together")] = 8,
+    batch_size: BatchOpt = 8,
     max_new_tokens: int = 384,
-    out: Annotated[Path | None, typer.Option(help="output dir (resumes if it has results)")] = None,
+    out: OutDirOpt = None,
     dtype: str = "bf16",
     threads: int | None = None,
-    save_tags: Annotated[bool, typer.Option(help="store per-token tags and prompt labels")] = False,
-    policy_config: Annotated[str | None, typer.Option(help="policy parameters as JSON")] = None,
-    table: Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")] = None,
-    allow_transfer: Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")] = False,
+    save_tags: SaveTagsOpt = False,
+    policy_config: PolicyConfigOpt = None,
+    table: TableOpt = None,
+    allow_transfer: TransferOpt = False,
 ) -> None:
     """Evaluate BFCL categories; writes cases.jsonl, summary.json and summary.md (paper Table 1 layout)."""
     from pask.evaluation.run_bfcl import run_bfcl, table_markdown
@@ -217,7 +228,7 @@ def eval_bfcl(
 def inspect(
     case: Annotated[str, typer.Option(help="BFCL case id, e.g. simple_python_0")],
     task: Annotated[str, typer.Option(help="task: bfcl or sql")] = "bfcl",
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     html: Annotated[Path | None, typer.Option(help="also write a self-contained HTML page")] = None,
     max_new_tokens: int = 384,
     threads: int | None = None,
@@ -254,7 +265,7 @@ def inspect(
 @app.command()
 @user_errors
 def calibrate(
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     task: Annotated[str, typer.Option(help="task: bfcl or sql")] = "bfcl",
     split: Annotated[str, typer.Option(help="calibration split (never test or live)")] = "calibration",
     budget: Annotated[float, typer.Option(help="target total KV budget B in (0, 1]")] = 0.33,
@@ -310,7 +321,7 @@ def calibrate(
 @bench_app.command("kv")
 @user_errors
 def bench_kv_cmd(
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     contexts: Annotated[str, typer.Option(help="comma-separated context lengths")] = "2048,8192,32768",
     mix: Annotated[str, typer.Option(help="H:INT4:release fractions outside the recent window")] = "0.34:0.33:0.33",
     repeats: int = 30,
@@ -370,7 +381,7 @@ def bench_kv_cmd(
 def tune(
     policy: Annotated[str, typer.Option(help="baseline to tune (h2o, snapkv, rocketkv, criticalkv, lazyeviction)")],
     budget: Annotated[float, typer.Option(help="target total KV budget B in (0, 1]")] = 0.33,
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     split: Annotated[str, typer.Option(help="tuning split: dev (never test or live)")] = "dev",
     categories: Annotated[str, typer.Option(help="comma-separated non-live BFCL categories")] = (
         "simple,multiple,parallel,parallel_multiple"
@@ -436,23 +447,23 @@ def tune(
 @eval_app.command("sql")
 @user_errors
 def eval_sql(
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     policy: Annotated[str, typer.Option(help="KV policy")] = "full",
-    budget: Annotated[float | None, typer.Option(help="target total KV budget B in (0, 1]")] = None,
+    budget: BudgetOpt = None,
     split: Annotated[str, typer.Option(help="calibration | dev | test (database-disjoint)")] = "test",
     limit: Annotated[int | None, typer.Option(help="at most N cases (the split's first N)")] = None,
     data_dir: Annotated[
         Path | None, typer.Option(help="dir with dev.json, tables.json, database/<db_id>/<db_id>.sqlite")
     ] = None,
-    batch_size: Annotated[int, typer.Option(help="requests decoded together")] = 8,
+    batch_size: BatchOpt = 8,
     max_new_tokens: int = 256,
-    out: Annotated[Path | None, typer.Option(help="output dir (resumes if it has results)")] = None,
+    out: OutDirOpt = None,
     dtype: str = "bf16",
     threads: int | None = None,
-    save_tags: Annotated[bool, typer.Option(help="store per-token tags and prompt labels")] = False,
-    policy_config: Annotated[str | None, typer.Option(help="policy parameters as JSON")] = None,
-    table: Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")] = None,
-    allow_transfer: Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")] = False,
+    save_tags: SaveTagsOpt = False,
+    policy_config: PolicyConfigOpt = None,
+    table: TableOpt = None,
+    allow_transfer: TransferOpt = False,
 ) -> None:
     """Text-to-SQL (Spider dev) by execution accuracy; writes cases.jsonl, summary.json, summary.md (Table 12)."""
     from pask.evaluation.run_sql import run_sql, select_cases, table_markdown
@@ -571,17 +582,17 @@ def serving_policy_factory(
 @app.command()
 @user_errors
 def serve(
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     policy: Annotated[str, typer.Option(help="KV policy (full, pask, snapkv, h2o, ...)")] = "full",
-    budget: Annotated[float | None, typer.Option(help="target total KV budget B in (0, 1]")] = None,
+    budget: BudgetOpt = None,
     port: int = 8000,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    table: Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")] = None,
+    table: TableOpt = None,
     capacity_tokens: Annotated[int | None, typer.Option(help="logical KV capacity in Full-KV tokens")] = None,
     max_batch: Annotated[int | None, typer.Option(help="at most N requests decoding together")] = None,
     max_tokens: Annotated[int, typer.Option(help="default max_tokens of a request")] = 256,
-    policy_config: Annotated[str | None, typer.Option(help="policy parameters as JSON")] = None,
-    allow_transfer: Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")] = False,
+    policy_config: PolicyConfigOpt = None,
+    allow_transfer: TransferOpt = False,
     dtype: str = "bf16",
     threads: int | None = None,
 ) -> None:
@@ -607,7 +618,7 @@ def serve(
 @bench_app.command("serve")
 @user_errors
 def bench_serve_cmd(
-    model: Annotated[str, typer.Option(help="embedded name, local dir or hub id")] = DEFAULT_MODEL,
+    model: ModelOpt = DEFAULT_MODEL,
     policies: Annotated[str, typer.Option(help="comma-separated policies; full is the reference")] = "full,pask,snapkv",
     budget: Annotated[float, typer.Option(help="target KV budget B of the compressing policies")] = 0.33,
     concurrency: int = 8,
