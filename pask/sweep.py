@@ -602,11 +602,13 @@ class CellPlan:
 def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bool = True) -> str | None:
     """Give finished ``pask eval`` results in ``cell_dir`` a manifest; return why not (or None).
 
-    Adopted when ``summary.json``'s run record names this cell's model, policy, budget, split (and
-    BFCL categories) and ``cases.jsonl`` holds exactly one row per case of the cell. The manifest
-    is marked ``adopted`` with the eval's own command and takes the current code version (a
-    ``pask eval`` summary did not record one before: adopting vouches that the code did not change
-    the results since, and a later code change makes the cell refuse as usual).
+        Adopted when ``summary.json``'s run record names this cell's model, policy, budget, split (and
+        BFCL categories) and ``cases.jsonl`` holds a row for every case of the cell (rows of other cases,
+    e.g. of a larger run the cell is a subset of, stay and are not counted). The summary is rewritten
+    from the cell's rows (as a sweep would) and the manifest
+        is marked ``adopted`` with the eval's own command and takes the current code version (a
+        ``pask eval`` summary did not record one before: adopting vouches that the code did not change
+        the results since, and a later code change makes the cell refuse as usual).
     """
     try:
         run = json.loads((cell_dir / "summary.json").read_text()).get("run", {})
@@ -618,11 +620,11 @@ def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bo
     if diff := [f"{k} {run.get(k)!r} != {v!r}" for k, v in want.items() if run.get(k) != v]:
         return "its summary is another run: " + ", ".join(diff)
     rows, ids = read_rows(cell_dir / "cases.jsonl"), {c.id for c in cases}
-    if set(rows) != ids:
-        have, extra = len(set(rows) & ids), len(set(rows) - ids)
-        return f"its cases.jsonl holds {have}/{len(ids)} of the cell's cases and {extra} others"
+    if not ids <= set(rows):
+        return f"its cases.jsonl holds {len(set(rows) & ids)}/{len(ids)} of the cell's cases"
     if not write:
         return None
+    summary = run_cases(cell, None, cases, cell_dir)  # the cell's own summary, from its cases' rows only
     man = {
         "cell": {k: getattr(cell, k) for k in ("model", "task", "split", "policy", "budget")},
         "spec": cell.spec(),
@@ -632,7 +634,12 @@ def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bo
         "created": _now(),
         "wall_s": float(run.get("wall_s_this_run") or 0.0),
         "runs": [],
-        "adopted": {"command": run.get("command"), "code_version": run.get("code_version"), "at": _now()},
+        "adopted": {
+            "command": run.get("command"),
+            "code_version": run.get("code_version"),
+            "at": _now(),
+            "accuracy": summary.get("overall", {}).get("accuracy"),
+        },
         "status": "done",
         "finished": _now(),
     }

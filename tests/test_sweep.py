@@ -378,7 +378,7 @@ def test_adopts_finished_eval_results_of_the_same_cell(tmp_path, fake):
     (cell,) = cfg.cells
     cell_dir = cfg.results_dir / cell.rel_dir
     run = {"model": cell.model, "policy": "kivi-4", "budget": 0.5, "split": "test", "command": "pask eval ..."}
-    _eval_results(cell_dir, [f"case{i}" for i in range(4)], **run)
+    _eval_results(cell_dir, [f"case{i}" for i in range(5)], **run)  # a superset: case4 is not the cell's
     with pytest.raises(PaskError, match=r"without cell\.json"):
         run_sweep(cfg, load=no_model)
     (p,) = sweep.plan(cfg, sweep.code_version(), dry_run=True, adopt=True)
@@ -388,6 +388,9 @@ def test_adopts_finished_eval_results_of_the_same_cell(tmp_path, fake):
     man = json.loads((cell_dir / "cell.json").read_text())
     assert man["adopted"]["command"] == "pask eval ..." and man["config_hash"] == cell.config_hash()
     assert run_sweep(cfg, load=no_model)["cells"][cell.name]["state"] == "done"  # a plain rerun keeps it
+    summary = json.loads((cell_dir / "summary.json").read_text())
+    assert summary["overall"]["n"] == 4  # the cell's cases only
+    assert len(read_done(cell_dir / "cases.jsonl")) == 5  # no row deleted
 
 
 @pytest.mark.parametrize(

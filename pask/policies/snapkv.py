@@ -92,4 +92,3 @@ class SnapKVPolicy(PromptRanked):
         win = pos >= scores.shape[-1]
         pr[:, win] = BIG + pos[win]
         return pr
-
