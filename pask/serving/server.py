@@ -131,7 +131,12 @@ def create_app(service: Service) -> FastAPI:
             raise
         if job.stop == "error":
             return JSONResponse({"error": {"message": job.error, "type": "server_error"}}, status_code=500)
-        extra = {"stop_reason": job.stop, "budget": job.budget, "tpot_ms": round(job.tpot_ms, 3)}
+        extra = {
+            "stop_reason": job.stop,
+            "budget": job.budget,
+            "tpot_ms": round(job.tpot_ms, 3),
+            "prefill_ms": round(job.prefill_ms, 3),
+        }
         return completion_body(chat, name, job.result.text, job.stop, len(job.generated), extra)
 
     return app
