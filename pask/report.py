@@ -82,6 +82,8 @@ class CellResult:
     status: str = "done"  # done | running (unfinished sweep cell)
     n_expected: int | None = None
     path: str = ""
+    b_prompt: float | None = None  # measured B of the prompt tokens / of the generated tokens
+    b_decode: float | None = None
 
     @property
     def method(self) -> str:
@@ -166,6 +168,8 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         status=status,
         n_expected=expected,
         path=str(cell_dir.relative_to(root)),
+        b_prompt=summary.get("measured_b_prompt"),
+        b_decode=summary.get("measured_b_decode"),
     )
 
 
@@ -299,13 +303,14 @@ def table_ablation(cells: list[CellResult], budget: float) -> list[str]:
     c0 = cells[0]
     groups = _groups_of(cells)
     lines = [f"### Table 17 — PASK ablation at B = {budget:g} ({c0.model}, {_task(c0.task)}, {c0.split} split)", ""]
-    lines += _head(["Variant", "B", *[g.replace("_", " ").capitalize() for g in groups], "Overall"])
+    lines += _head(["Variant", "B_P", "B_D", "B", *[g.replace("_", " ").capitalize() for g in groups], "Overall"])
     for policy, name in (*ABLATION_ROWS, ("pask", "Prefill + decode (PASK)")):
         c = _full(cells) if policy == "full" else _at(cells, policy, budget)
         if c is not None:
             accs = [_f(c.groups.get(g)) for g in groups]
             mark = " *" if c.status != "done" else ""
-            lines.append(_row([name + mark, _f(c.measured_b, 3), *accs, _f(c.accuracy)]))
+            bs = [_f(c.b_prompt, 3), _f(c.b_decode, 3), _f(c.measured_b, 3)]
+            lines.append(_row([name + mark, *bs, *accs, _f(c.accuracy)]))
     return lines
 
 

@@ -36,6 +36,7 @@ def make_cell(root: Path, task: str, policy: str, budget: float | None, b: float
     per = {g: {"n": 10, "correct": c, metric: 10.0 * c} for g, c in zip(groups, correct, strict=True)}
     n, total = 10 * len(groups), sum(correct)
     summary = {key: per, "overall": {"n": n, "correct": total, metric: round(100 * total / n, 2)}, "measured_b": b}
+    summary.update(kw.get("b_parts", {}))
     cell = root / MODEL / task / kw.get("split", "test") / f"{policy}-b{'1' if budget is None else f'{budget:g}'}"
     cell.mkdir(parents=True)
     (cell / "summary.json").write_text(json.dumps(summary))
@@ -53,7 +54,7 @@ def results(tmp_path) -> Path:
     make_cell(root, "bfcl", "pask", 0.25, 0.252, [7, 6, 3, 2])
     make_cell(root, "bfcl", "h2o", 0.33, 0.334, [5, 5, 1, 1])
     make_cell(root, "bfcl", "snapkv", 0.33, 0.329, [6, 4, 2, 1])
-    make_cell(root, "bfcl", "pask-prefill", 0.33, 0.61, [8, 7, 4, 2])
+    make_cell(root, "bfcl", "pask-prefill", 0.33, 0.61, [8, 7, 4, 2], b_parts={"measured_b_prompt": 0.2})
     make_cell(root, "bfcl", "pask-decode", 0.33, 0.72, [8, 7, 3, 3])
     make_cell(root, "sql", "full", None, 1.0, [6, 4, 2, 1])
     for budget in (0.6, 0.275):
@@ -95,6 +96,7 @@ def test_tables_in_paper_layouts(results):
     assert t9[1] == ["PASK", "0.331", "0.252", "0.002"] and [r[0] for r in t9[2:]] == ["H2O", "SnapKV"]
     t17 = [cells_of(r) for r in table(md, "Table 17 — PASK ablation at B = 0.33")]
     assert [r[0] for r in t17[1:]] == ["Full KV", "Prefill only", "Decode only", "Prefill + decode (PASK)"]
+    assert t17[0][:4] == ["Variant", "B_P", "B_D", "B"] and t17[2][1:4] == ["0.200", "–", "0.610"]
     assert "Table 17" not in md.split("Text-to-SQL")[1]  # no ablation cells for SQL
     assert "Table 12 — Text-to-SQL EX (%) by difficulty, B = 0.6" in md
 

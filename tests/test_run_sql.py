@@ -112,7 +112,13 @@ def test_score_and_summary_layout():
     assert not bad.correct and "no such column" in bad.error
     assert score(case, gen("  "), path).error == "empty output"
     rows = [
-        {"difficulty": "easy", "correct": True, "error": None, "stop_reason": "grammar", "budget": {"b_total": 0.4}},
+        {
+            "difficulty": "easy",
+            "correct": True,
+            "error": None,
+            "stop_reason": "grammar",
+            "budget": {"b_total": 0.4, "b_prompt": 0.3, "b_decode": 0.9},
+        },
         {"difficulty": "easy", "correct": False, "error": "x", "stop_reason": "length", "budget": {"b_total": 0.6}},
         {"difficulty": "extra", "correct": True, "error": None, "stop_reason": "eos", "budget": None},
     ]
@@ -121,6 +127,7 @@ def test_score_and_summary_layout():
     assert s["difficulties"]["hard"] == {"n": 0, "correct": 0, "ex": None}
     assert s["overall"]["ex"] == 66.67 and s["overall"]["exec_errors"] == 1 and s["overall"]["truncated"] == 1
     assert s["measured_b"] == 0.5  # mean over the cases that ran a policy
+    assert s["measured_b_prompt"] == 0.3 and s["measured_b_decode"] == 0.9  # over the cases that report them
     md = table_markdown(s, {"model": "q", "policy": "h2o", "command": "pask eval sql"})
     assert "| q | h2o | 0.500 | 50.00 | – | – | 100.00 | 66.67 |" in md and md.startswith("Command: `pask eval sql`")
 

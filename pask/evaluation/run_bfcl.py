@@ -247,7 +247,6 @@ def summarize(rows: list[dict]) -> dict:
             "valid": sum(r["valid"] for r in rs),
         }
     n = len(rows)
-    budgets = [r["budget"]["b_total"] for r in rows if r.get("budget")]
     return {
         "categories": per,
         "overall": {
@@ -257,8 +256,18 @@ def summarize(rows: list[dict]) -> dict:
             "valid": sum(r["valid"] for r in rows),
             "schema_errors": sum(r["stop_reason"] == "schema_error" for r in rows),
         },
-        "measured_b": round(sum(budgets) / len(budgets), 4) if budgets else 1.0,
+        **measured_budgets(rows),
     }
+
+
+def measured_budgets(rows: list[dict]) -> dict:
+    """Mean measured B over the cases (total, prompt tokens only, generated tokens only); 1.0 for Full KV."""
+
+    def mean(key: str) -> float:
+        vals = [r["budget"][key] for r in rows if r.get("budget") and r["budget"].get(key) is not None]
+        return round(sum(vals) / len(vals), 4) if vals else 1.0
+
+    return {"measured_b": mean("b_total"), "measured_b_prompt": mean("b_prompt"), "measured_b_decode": mean("b_decode")}
 
 
 def table_markdown(summary: dict, meta: dict | None = None) -> str:

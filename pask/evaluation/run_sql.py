@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pask.engine import Generation, Request, eos_ids
 from pask.errors import PaskError
-from pask.evaluation.run_bfcl import run_resumable, write_summary
+from pask.evaluation.run_bfcl import measured_budgets, run_resumable, write_summary
 from pask.evaluation.sql_exec import DEFAULT_TIMEOUT_S, execution_match
 from pask.models import LoadedModel
 from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
@@ -210,12 +210,7 @@ def summarize(rows: list[dict]) -> dict:
     overall["exec_errors"] = sum(r["error"] is not None and r["stop_reason"] != "schema_error" for r in rows)
     overall["truncated"] = sum(r["stop_reason"] == "length" for r in rows)
     overall["schema_errors"] = sum(r["stop_reason"] == "schema_error" for r in rows)
-    budgets = [r["budget"]["b_total"] for r in rows if r.get("budget")]
-    return {
-        "difficulties": levels,
-        "overall": overall,
-        "measured_b": round(sum(budgets) / len(budgets), 4) if budgets else 1.0,
-    }
+    return {"difficulties": levels, "overall": overall, **measured_budgets(rows)}
 
 
 def table_markdown(summary: dict, meta: dict | None = None) -> str:
