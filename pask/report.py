@@ -8,7 +8,9 @@ and policy (runs of ``pask eval``). Tables, one set per (model, task, split):
   target budget, Full KV as the reference row, measured B column;
 - Table 2: overall accuracy (SQL: EX) by target budget, each with its measured B;
 - Table 9: target vs measured budget per method;
-- Table 17: the PASK ablation (``pask-prefill`` / ``pask-decode`` / ``pask`` cells) when present.
+- Table 17: the PASK ablation (``pask-prefill`` / ``pask-decode`` / ``pask`` cells) when present;
+- a paired comparison of PASK with every other cell at the same budget on the cases both ran
+  (discordant counts and the exact sign test: a difference of a few cases is within noise).
 
 Plots (matplotlib, Agg): accuracy vs measured B per method with Full KV as a horizontal line
 (Figure 3), per-category bars at B ~ 0.33, and for a calibration table file the sensitivity vs
@@ -84,6 +86,7 @@ class CellResult:
     path: str = ""
     b_prompt: float | None = None  # measured B of the prompt tokens / of the generated tokens
     b_decode: float | None = None
+    outcomes: dict[str, bool] = field(default_factory=dict, repr=False)  # case id -> correct (cases.jsonl)
 
     @property
     def method(self) -> str:
@@ -170,7 +173,22 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         path=str(cell_dir.relative_to(root)),
         b_prompt=summary.get("measured_b_prompt"),
         b_decode=summary.get("measured_b_decode"),
+        outcomes=_outcomes(cell_dir / "cases.jsonl"),
     )
+
+
+def _outcomes(jsonl: Path) -> dict[str, bool]:
+    """Case id -> correct, from a cell's per-case rows (empty when there are none)."""
+    out: dict[str, bool] = {}
+    if jsonl.exists():
+        for line in jsonl.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line of an interrupted run
+            if isinstance(row, dict) and "id" in row and "correct" in row:
+                out[str(row["id"])] = bool(row["correct"])
+    return out
 
 
 def collect(results_dir: Path | str) -> list[CellResult]:
@@ -314,6 +332,41 @@ def table_ablation(cells: list[CellResult], budget: float) -> list[str]:
     return lines
 
 
+def sign_test_p(only_a: int, only_b: int) -> float:
+    """Two-sided exact sign test (McNemar's exact test) on the discordant pairs of a paired comparison."""
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def table_paired(cells: list[CellResult], budget: float, ref: str = "pask") -> list[str]:
+    """PASK against every other cell at one budget (and Full KV) on the cases both ran, case by case."""
+    base = _at(cells, ref, budget)
+    if base is None or not base.outcomes:
+        return []
+    c0 = cells[0]
+    title = f"### Paired comparison with PASK at B = {budget:g} ({c0.model}, {_task(c0.task)}, {c0.split} split)"
+    lines = [title, ""]
+    lines += _head(["Method", "n", "PASK only right", "method only right", "both right", "both wrong", "sign test p"])
+    others = [_full(cells), *[_at(cells, m, budget) for m in _methods(cells) if m != ref]]
+    others += [_at(cells, p, budget) for p in ("pask-prefill", "pask-decode")]
+    for c in others:
+        if c is None or not c.outcomes:
+            continue
+        ids = sorted(set(base.outcomes) & set(c.outcomes))
+        a = sum(base.outcomes[i] and not c.outcomes[i] for i in ids)
+        b = sum(c.outcomes[i] and not base.outcomes[i] for i in ids)
+        both = sum(base.outcomes[i] and c.outcomes[i] for i in ids)
+        name = f"{c.method} (B = {_f(c.measured_b, 3)})"
+        lines.append(
+            _row(
+                [name, str(len(ids)), str(a), str(b), str(both), str(len(ids) - a - b - both), _f(sign_test_p(a, b), 3)]
+            )
+        )
+    return lines
+
+
 def by_setting(cells: list[CellResult]) -> dict[tuple[str, str, str], list[CellResult]]:
     out: dict[tuple[str, str, str], list[CellResult]] = {}
     for c in cells:
@@ -336,6 +389,9 @@ def markdown(cells: list[CellResult], plots: dict[str, str] | None = None) -> st
         for b in budgets:
             if any(_at(group, p, b) for p in ("pask-prefill", "pask-decode")):
                 lines += [*table_ablation(group, b), ""]
+        for b in budgets:
+            if paired := table_paired(group, b):
+                lines += [*paired, ""]
         for name, rel in sorted((plots or {}).items()):
             if name.startswith(f"{model}/{task}/{split}/"):
                 lines += [f"![{name.rsplit('/', 1)[1][2:].replace('-', ' ')}]({rel})", ""]

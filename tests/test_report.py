@@ -40,6 +40,9 @@ def make_cell(root: Path, task: str, policy: str, budget: float | None, b: float
     cell = root / MODEL / task / kw.get("split", "test") / f"{policy}-b{'1' if budget is None else f'{budget:g}'}"
     cell.mkdir(parents=True)
     (cell / "summary.json").write_text(json.dumps(summary))
+    if "outcomes" in kw:
+        rows = [{"id": f"c{i}", "correct": ok} for i, ok in enumerate(kw["outcomes"])]
+        (cell / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "torn')
     manifest = {"cell": {"model": MODEL, "task": task, "split": "test", "policy": policy, "budget": budget}}
     manifest.update({"status": kw.get("status", "done"), "n_cases": n, "wall_s": kw.get("wall", 1.0)})
     (cell / "cell.json").write_text(json.dumps(manifest))
@@ -196,3 +199,18 @@ def test_cli_report(results, tmp_path):
     empty.mkdir()
     res = runner.invoke(app, ["report", str(empty)])
     assert res.exit_code == 2 and "no result cells" in res.output and "Traceback" not in res.output
+
+
+def test_paired_comparison_counts_discordant_cases(tmp_path):
+    from pask.report import sign_test_p
+
+    root = tmp_path / "r"
+    make_cell(root, "bfcl", "pask", 0.33, 0.33, [1, 1, 1, 1], outcomes=[True] * 6 + [False] * 4)
+    make_cell(root, "bfcl", "kivi-4", 0.33, 0.34, [1, 1, 1, 1], outcomes=[True, False] * 5)
+    make_cell(root, "bfcl", "h2o", 0.33, 0.33, [1, 1, 1, 1])  # no per-case rows: no paired row
+    rows = [cells_of(r) for r in table(markdown(collect(root)), "Paired comparison with PASK at B = 0.33")]
+    assert rows[0][:3] == ["Method", "n", "PASK only right"]
+    # pask right on c0-c5; kivi right on c0, c2, c4, c6, c8 -> pask only c1, c3, c5; kivi only c6, c8
+    assert rows[1:] == [["KIVI-4 (B = 0.340)", "10", "3", "2", "3", "2", "1.000"]]
+    assert sign_test_p(0, 0) == 1.0 and sign_test_p(0, 6) == pytest.approx(2 / 64)
+    assert sign_test_p(10, 0) < 0.01 and sign_test_p(3, 4) == sign_test_p(4, 3)
