@@ -7,6 +7,7 @@ category, ...) is a :class:`PaskError`: one clear message, exit code 2, no trace
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import shlex
 import sys
@@ -111,9 +112,12 @@ def _command() -> str:
     return "pask " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def _run_meta(meta: dict) -> dict:
-    """An eval's run record plus the command line and the code version that made it."""
-    return {**meta, "command": _command(), "code_version": code_version()}
+def _run_meta(meta: dict, table: Path | None = None) -> dict:
+    """An eval's run record plus the command line, the code version and the PASK table's hash."""
+    out = {**meta, "command": _command(), "code_version": code_version()}
+    if table is not None:
+        out["table_sha256"] = hashlib.sha256(Path(table).read_bytes()).hexdigest()
+    return out
 
 
 def _with_progress(label: str, total: int, run):
@@ -213,7 +217,8 @@ def eval_bfcl(
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
     kv_policy = build(lm)
-    meta = _run_meta({"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats})
+    meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats}
+    meta = _run_meta(meta, table if policy == "pask" else None)
     summary = _with_progress(
         f"bfcl {policy}",
         len(cases),
@@ -480,7 +485,7 @@ def eval_sql(
     meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "limit": limit}
     if data_dir is not None:
         meta["data_dir"] = str(data_dir)
-    meta = _run_meta(meta)
+    meta = _run_meta(meta, table if policy == "pask" else None)
     summary = _with_progress(
         f"sql {policy}",
         len(cases),

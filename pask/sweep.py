@@ -619,6 +619,11 @@ def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bo
         want["categories"] = list(cell.options["categories"])
     if diff := [f"{k} {run.get(k)!r} != {v!r}" for k, v in want.items() if run.get(k) != v]:
         return "its summary is another run: " + ", ".join(diff)
+    if cell.table:  # the same PASK table: by hash when the run recorded one, else by the file named
+        sha, name = _sha256_file(Path(cell.table)), Path(cell.table).name
+        named = any(Path(a).name == name for a in str(run.get("command", "")).split())
+        if run.get("table_sha256", sha) != sha or ("table_sha256" not in run and not named):
+            return f"it was not made with the table {cell.table}"
     rows, ids = read_rows(cell_dir / "cases.jsonl"), {c.id for c in cases}
     if not ids <= set(rows):
         return f"its cases.jsonl holds {len(set(rows) & ids)}/{len(ids)} of the cell's cases"

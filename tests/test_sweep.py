@@ -409,3 +409,24 @@ def test_adopt_refuses_other_runs(tmp_path, fake, ids, run_over, why):
     with pytest.raises(PaskError, match=f"not adopted: .*{why}"):
         run_sweep(cfg, load=no_model, adopt=True)
     assert not (cfg.results_dir / cell.rel_dir / "cell.json").exists()
+
+
+def test_adopt_checks_the_pask_table(tmp_path, fake):
+    from pask.calibration.table import FrozenTable
+
+    table = tmp_path / "t.json"
+    FrozenTable(actions={}, fingerprint="none", model_name="smollm2-135m", target_b=0.33).save(table)
+    data = fake_config(tmp_path, policies=["pask"], budgets=[0.33])
+    data["fake"] = {"n": 2, "tables": {"smollm2-135m": {"0.33": str(table)}}}
+    cfg = parse_config(data, tmp_path)
+    (cell,) = cfg.cells
+    run = {"model": cell.model, "policy": "pask", "budget": 0.33, "split": "test"}
+    cell_dir = cfg.results_dir / cell.rel_dir
+    _eval_results(cell_dir, ["case0", "case1"], **run, table_sha256="0" * 64)
+    with pytest.raises(PaskError, match="not adopted: it was not made with the table"):
+        run_sweep(cfg, load=no_model, adopt=True)
+    (cell_dir / "summary.json").unlink()
+    (cell_dir / "cases.jsonl").unlink()
+    cell_dir.rmdir()
+    _eval_results(cell_dir, ["case0", "case1"], **run, command=f"pask eval bfcl --table {table}")
+    assert run_sweep(cfg, load=no_model, adopt=True)["cells"][cell.name]["state"] == "done"
