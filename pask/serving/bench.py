@@ -406,21 +406,24 @@ def markdown(result: dict) -> str:
     def f(x, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
+    def fx(x) -> str:  # a ratio
+        return "-" if x is None else f"{x:.2f}x"
+
     lines = [head]
     for r in result["policies"]:
         cells = [
             r["policy"],
             f(r["b_avg"], ".3f"),
             f(r["tpot_ms"], ".1f"),
-            f(r["tpot_speedup"], ".2f") + "x",
-            f(r["bandwidth_limit"], ".2f") + "x",
+            fx(r["tpot_speedup"]),
+            fx(r["bandwidth_limit"]),
             f(r["throughput_tps"], ".2f"),
-            f(r["throughput_gain"], ".2f") + "x",
+            fx(r["throughput_gain"]),
             f(r.get("prefill_s"), ".1f"),
             f(r.get("decode_tps"), ".2f"),
-            f(r.get("decode_throughput_gain"), ".2f") + "x",
+            fx(r.get("decode_throughput_gain")),
             f(r["peak_kv_bytes"] / 2**20, ".1f"),
-            f(r["peak_kv_ratio"], ".2f") + "x",
+            fx(r["peak_kv_ratio"]),
             str(r["peak_running"]),
             str(r["errors_5xx"]),
             str(r["malformed"]),
