@@ -63,6 +63,7 @@ COLORS = {
     "kivi": "tab:olive",
     "static_mix": "tab:cyan",
 }
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "h", "<", ">")
 ABLATION_ROWS = (("full", "Full KV"), ("pask-prefill", "Prefill only"), ("pask-decode", "Decode only"))
 _CELL_DIR = re.compile(r"^(?P<policy>.+)-b(?P<budget>\d+(?:\.\d+)?)$")
 
@@ -451,13 +452,15 @@ def plot_accuracy_vs_budget(cells: list[CellResult], path: Path) -> Plot:
     if (full := _full(cells)) is not None and full.accuracy is not None:
         ax.axhline(full.accuracy, color="black", linestyle="--", linewidth=1, label="Full KV")
         series.append("Full KV")
-    for p in _methods(cells):
+    for i, p in enumerate(_methods(cells)):
         pts = sorted((c.measured_b, c.accuracy) for c in cells if c.policy == p and c.accuracy is not None)
         if not pts:
             continue
         name = METHODS.get(p, p)
         width = 2.2 if p == "pask" else 1.2
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name, linewidth=width, color=COLORS.get(p))
+        marker = MARKERS[i % len(MARKERS)]  # distinct markers: methods at the same point stay visible
+        xs, ys = [x for x, _ in pts], [y for _, y in pts]
+        ax.plot(xs, ys, marker=marker, fillstyle="none", label=name, linewidth=width, color=COLORS.get(p))
         series.append(name)
     if not series:
         raise PaskError(f"nothing to plot for {c0.model} / {c0.task} / {c0.split}")
