@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pask.errors import PaskError
 from pask.evaluation.bfcl import CATEGORIES
+from pask.evaluation.case_rows import read_done
 from pask.tasks.spider_hardness import LEVELS
 
 METHODS = {
@@ -180,16 +181,8 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
 
 def _outcomes(jsonl: Path) -> dict[str, bool]:
     """Case id -> correct, from a cell's per-case rows (empty when there are none)."""
-    out: dict[str, bool] = {}
-    if jsonl.exists():
-        for line in jsonl.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line of an interrupted run
-            if isinstance(row, dict) and "id" in row and "correct" in row:
-                out[str(row["id"])] = bool(row["correct"])
-    return out
+    rows = read_done(jsonl, key=lambda r: r.get("id") if isinstance(r, dict) else None)
+    return {str(i): bool(r["correct"]) for i, r in rows.items() if i is not None and "correct" in r}
 
 
 def collect(results_dir: Path | str) -> list[CellResult]:

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from pask.errors import PaskError
+from pask.evaluation.case_rows import read_done, repair_jsonl
 
 CELL_FILE = "cell.json"
 SWEEP_FILE = "sweep.json"
@@ -547,23 +548,11 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def read_rows(path: Path) -> dict[str, dict]:
-    from pask.evaluation.run_bfcl import read_done
-
-    return read_done(path)
-
-
-def _repair(path: Path) -> None:
-    from pask.evaluation.run_bfcl import repair_jsonl
-
-    repair_jsonl(path)
-
-
 def merge_rows(cell_dir: Path, rows: list[dict], wanted: set[str]) -> int:
     """Append rows of ``wanted`` cases not yet in the cell's ``cases.jsonl``; return how many were added."""
     jsonl = cell_dir / "cases.jsonl"
-    _repair(jsonl)
-    done = read_rows(jsonl)
+    repair_jsonl(jsonl)
+    done = read_done(jsonl)
     new = []
     for r in rows:
         if r.get("id") in wanted and r["id"] not in done:
@@ -582,7 +571,7 @@ def merge_shards(cell_dir: Path, wanted: set[str]) -> int:
         return 0
     added = 0
     for jsonl in sorted(shards.glob("*/cases.jsonl")):
-        added += merge_rows(cell_dir, list(read_rows(jsonl).values()), wanted)
+        added += merge_rows(cell_dir, list(read_done(jsonl).values()), wanted)
     shutil.rmtree(shards)
     return added
 
@@ -624,7 +613,7 @@ def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bo
         named = any(Path(a).name == name for a in str(run.get("command", "")).split())
         if run.get("table_sha256", sha) != sha or ("table_sha256" not in run and not named):
             return f"it was not made with the table {cell.table}"
-    rows, ids = read_rows(cell_dir / "cases.jsonl"), {c.id for c in cases}
+    rows, ids = read_done(cell_dir / "cases.jsonl"), {c.id for c in cases}
     if not ids <= set(rows):
         return f"its cases.jsonl holds {len(set(rows) & ids)}/{len(ids)} of the cell's cases"
     if not write:
@@ -708,9 +697,9 @@ def plan(
         if man is not None and man.get("status") == "done" and (cell_dir / "summary.json").exists():
             out.append(CellPlan(cell, cell_dir, cases, "done", len(cases)))
             continue
-        n = len(ids & set(read_rows(cell_dir / "cases.jsonl"))) if cell_dir.is_dir() else 0
+        n = len(ids & set(read_done(cell_dir / "cases.jsonl"))) if cell_dir.is_dir() else 0
         for jsonl in (cell_dir / SHARDS_DIR).glob("*/cases.jsonl"):
-            n += len(ids & set(read_rows(jsonl)))
+            n += len(ids & set(read_done(jsonl)))
         out.append(CellPlan(cell, cell_dir, cases, "resume" if n else "new", min(n, len(cases))))
     return out
 
@@ -720,7 +709,7 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
     p.dir.mkdir(parents=True, exist_ok=True)
     ids = {c.id for c in p.cases}
     merge_shards(p.dir, ids)
-    _repair(p.dir / "cases.jsonl")
+    repair_jsonl(p.dir / "cases.jsonl")
     man = read_manifest(p.dir) or {
         "cell": {k: getattr(p.cell, k) for k in ("model", "task", "split", "policy", "budget")},
         "spec": p.cell.spec(),
@@ -732,7 +721,7 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
         "runs": [],
     }
     man["status"] = "running"
-    before = len(ids & set(read_rows(p.dir / "cases.jsonl")))
+    before = len(ids & set(read_done(p.dir / "cases.jsonl")))
     man["runs"].append({"started": _now(), "mode": mode, "cases_before": before})
     write_json(p.dir / CELL_FILE, man)
     return man
@@ -740,7 +729,7 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
 
 def finish_cell(p: CellPlan, man: dict, wall: float, extra: dict | None = None) -> dict:
     """Check the cell has exactly one row per case, then mark the manifest done; return the summary."""
-    rows = read_rows(p.dir / "cases.jsonl")
+    rows = read_done(p.dir / "cases.jsonl")
     ids = [c.id for c in p.cases]
     if missing := [i for i in ids if i not in rows]:
         raise PaskError(f"cell {p.cell.name}: {len(missing)} case(s) have no result row, e.g. {missing[:3]}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pask.errors import PaskError
+from pask.evaluation.case_rows import read_done
 from pask.sweep import (
     SHARDS_DIR,
     TASKS,
@@ -29,7 +30,6 @@ from pask.sweep import (
     default_loader,
     finish_cell,
     merge_rows,
-    read_rows,
     run_cases,
     set_threads,
     start_cell,
@@ -65,7 +65,7 @@ def run_shard(cell: Cell, task: TaskSpec, case_ids: list[str], shard_dir: str) -
     wanted = set(case_ids)
     cases = [c for c in cell.load_cases() if c.id in wanted]
     run_cases(cell, lm, cases, Path(shard_dir))
-    rows = read_rows(Path(shard_dir) / "cases.jsonl")
+    rows = read_done(Path(shard_dir) / "cases.jsonl")
     return [rows[i] for i in case_ids if i in rows]
 
 
@@ -106,7 +106,7 @@ def run_cells_ray(plans, config, version, address, tracker, cell_done, shard_siz
         cpus = ray.cluster_resources().get("CPU", 1)
         for p in [p for p in plans if p.state != "done"]:
             man = start_cell(p, version, "ray")
-            done = set(read_rows(p.dir / "cases.jsonl"))
+            done = set(read_done(p.dir / "cases.jsonl"))
             todo = [c.id for c in p.cases if c.id not in done]
             threads = p.cell.threads or 1
             size = shard_size or max(1, math.ceil(len(todo) / max(1, int(cpus // threads))))

@@ -84,7 +84,7 @@ def test_requests_close_their_structure_before_the_token_limit(smol):
 
 
 def test_resume_drops_a_torn_last_line(tmp_path):
-    from pask.evaluation.run_bfcl import read_done, repair_jsonl
+    from pask.evaluation.case_rows import read_done, repair_jsonl
 
     path = tmp_path / "cases.jsonl"
     path.write_text('{"id": "a"}\n{"id": "b", "out')  # killed mid-write

@@ -11,7 +11,8 @@ import pytest
 
 import pask.sweep as sweep
 from pask.errors import PaskError
-from pask.evaluation.run_bfcl import read_done, run_bfcl, summarize
+from pask.evaluation.case_rows import read_done
+from pask.evaluation.run_bfcl import run_bfcl, summarize
 from pask.sweep import TASKS, TaskSpec, load_config, parse_config, run_sweep
 
 TIMING = ("prefill_ms", "tpot_ms")

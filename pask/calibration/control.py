@@ -28,7 +28,7 @@ from pask.calibration.distortion import AttnCapture
 from pask.calibration.table import FrozenTable
 from pask.calibration.tasks import CalibrationTask, get_task
 from pask.engine import generate
-from pask.evaluation.run_bfcl import read_done
+from pask.evaluation.case_rows import read_done
 from pask.policies.pask import PaskPolicy
 
 

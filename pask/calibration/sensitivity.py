@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pask.calibration.table import FrozenTable
 from pask.calibration.tasks import CalibrationTask, get_task
-from pask.evaluation.run_bfcl import read_done
+from pask.evaluation.case_rows import read_done
 from pask.policies.pask import PaskPolicy
 
 

@@ -13,6 +13,7 @@ import jsonschema
 from pask.engine import Generation, Request, eos_ids, generate
 from pask.errors import PaskError
 from pask.evaluation.bfcl import check_calls
+from pask.evaluation.case_rows import read_done, repair_jsonl
 from pask.models import LoadedModel
 from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
 from pask.structure.json_tagger import JsonCallTagger
@@ -107,28 +108,6 @@ def score(case: FunctionCase, gen: Generation, req: Request | None = None, save_
         tags=[str(t) for t in gen.extra.get("tags", [])] if save_tags else None,
         prompt_labels=[str(x) for x in req.prompt_labels or []] if save_tags and req else None,
     )
-
-
-def repair_jsonl(path: Path) -> None:
-    """Drop a torn last line (a run killed mid-write), so that appended rows start on their own line."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
-
-
-def read_done(path: Path, key: Callable[[dict], object] = lambda row: row["id"]) -> dict:
-    """Finished records of a resumable JSONL file by ``key`` (case id by default); a torn last line is ignored."""
-    done: dict = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done[key(row)] = row
-    return done
 
 
 def run_resumable(
