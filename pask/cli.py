@@ -7,7 +7,6 @@ category, ...) is a :class:`PaskError`: one clear message, exit code 2, no trace
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import shlex
 import sys
@@ -21,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pask.errors import PaskError
 from pask.models import DEFAULT_MODEL
-from pask.sweep import code_version
+from pask.sweep import code_version, file_sha256
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Parser-aware structural KV persistence.")
 eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a model + KV policy on a task.")
@@ -116,7 +115,7 @@ def _run_meta(meta: dict, table: Path | None = None) -> dict:
     """An eval's run record plus the command line, the code version and the PASK table's hash."""
     out = {**meta, "command": _command(), "code_version": code_version()}
     if table is not None:
-        out["table_sha256"] = hashlib.sha256(Path(table).read_bytes()).hexdigest()
+        out["table_sha256"] = file_sha256(Path(table))
     return out
 
 
@@ -514,7 +513,7 @@ def sweep(
     ] = False,
 ) -> None:
     """Run an evaluation sweep: resumable cells, one progress bar, per-cell timing in sweep.json."""
-    from pask.sweep import code_version, load_config, plan, run_sweep
+    from pask.sweep import load_config, plan, run_sweep
 
     cfg = load_config(config, results_dir=results, threads=threads)
     if dry_run:

@@ -227,7 +227,7 @@ class Cell:
             "budget": self.budget,
             "options": {k: self.options[k] for k in task.hashed},
             "policy_config": self.policy_config,
-            "table_sha256": _sha256_file(Path(self.table)) if self.table else None,
+            "table_sha256": file_sha256(Path(self.table)) if self.table else None,
         }
 
     def config_hash(self) -> str:
@@ -255,7 +255,8 @@ class Cell:
         return cases
 
 
-def _sha256_file(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file (a PASK table); PaskError when it does not exist."""
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()
     except FileNotFoundError:
@@ -591,13 +592,14 @@ class CellPlan:
 def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bool = True) -> str | None:
     """Give finished ``pask eval`` results in ``cell_dir`` a manifest; return why not (or None).
 
-        Adopted when ``summary.json``'s run record names this cell's model, policy, budget, split (and
-        BFCL categories) and ``cases.jsonl`` holds a row for every case of the cell (rows of other cases,
-    e.g. of a larger run the cell is a subset of, stay and are not counted). The summary is rewritten
-    from the cell's rows (as a sweep would) and the manifest
-        is marked ``adopted`` with the eval's own command and takes the current code version (a
-        ``pask eval`` summary did not record one before: adopting vouches that the code did not change
-        the results since, and a later code change makes the cell refuse as usual).
+    Adopted when ``summary.json``'s run record names this cell's model, policy, budget, split (and
+    BFCL categories), the PASK table matches (by the hash the run recorded, else by the file its
+    command names) and ``cases.jsonl`` holds a row for every case of the cell (rows of other cases,
+    e.g. of a larger run the cell is a subset of, stay and are not counted). The summary is
+    rewritten from the cell's rows (as a sweep would) and the manifest is marked ``adopted`` with
+    the eval's own command and takes the current code version (adopting vouches that the code did
+    not change the results since; a later code change makes the cell refuse as usual).
+    ``write=False`` only checks.
     """
     try:
         run = json.loads((cell_dir / "summary.json").read_text()).get("run", {})
@@ -609,7 +611,7 @@ def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bo
     if diff := [f"{k} {run.get(k)!r} != {v!r}" for k, v in want.items() if run.get(k) != v]:
         return "its summary is another run: " + ", ".join(diff)
     if cell.table:  # the same PASK table: by hash when the run recorded one, else by the file named
-        sha, name = _sha256_file(Path(cell.table)), Path(cell.table).name
+        sha, name = file_sha256(Path(cell.table)), Path(cell.table).name
         named = any(Path(a).name == name for a in str(run.get("command", "")).split())
         if run.get("table_sha256", sha) != sha or ("table_sha256" not in run and not named):
             return f"it was not made with the table {cell.table}"
@@ -619,24 +621,14 @@ def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bo
     if not write:
         return None
     summary = run_cases(cell, None, cases, cell_dir)  # the cell's own summary, from its cases' rows only
-    man = {
-        "cell": {k: getattr(cell, k) for k in ("model", "task", "split", "policy", "budget")},
-        "spec": cell.spec(),
-        "config_hash": cell.config_hash(),
-        "code_version": version,
-        "n_cases": len(cases),
-        "created": _now(),
-        "wall_s": float(run.get("wall_s_this_run") or 0.0),
-        "runs": [],
-        "adopted": {
-            "command": run.get("command"),
-            "code_version": run.get("code_version"),
-            "at": _now(),
-            "accuracy": summary.get("overall", {}).get("accuracy"),
-        },
-        "status": "done",
-        "finished": _now(),
+    man = new_manifest(cell, len(cases), version, wall_s=float(run.get("wall_s_this_run") or 0.0))
+    man["adopted"] = {
+        "command": run.get("command"),
+        "code_version": run.get("code_version"),
+        "at": _now(),
+        "accuracy": summary.get("overall", {}).get("accuracy"),
     }
+    man.update(status="done", finished=_now())
     write_json(cell_dir / CELL_FILE, man)
     return None
 
@@ -704,22 +696,27 @@ def plan(
     return out
 
 
+def new_manifest(cell: Cell, n_cases: int, version: dict, wall_s: float = 0.0) -> dict:
+    """A cell's ``cell.json`` before its first run: coordinates, spec, config hash, code version."""
+    return {
+        "cell": {k: getattr(cell, k) for k in ("model", "task", "split", "policy", "budget")},
+        "spec": cell.spec(),
+        "config_hash": cell.config_hash(),
+        "code_version": version,
+        "n_cases": n_cases,
+        "created": _now(),
+        "wall_s": wall_s,
+        "runs": [],
+    }
+
+
 def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
     """Prepare the cell dir (fold shard leftovers, repair the JSONL) and mark the manifest running."""
     p.dir.mkdir(parents=True, exist_ok=True)
     ids = {c.id for c in p.cases}
     merge_shards(p.dir, ids)
     repair_jsonl(p.dir / "cases.jsonl")
-    man = read_manifest(p.dir) or {
-        "cell": {k: getattr(p.cell, k) for k in ("model", "task", "split", "policy", "budget")},
-        "spec": p.cell.spec(),
-        "config_hash": p.cell.config_hash(),
-        "code_version": version,
-        "n_cases": len(p.cases),
-        "created": _now(),
-        "wall_s": 0.0,
-        "runs": [],
-    }
+    man = read_manifest(p.dir) or new_manifest(p.cell, len(p.cases), version)
     man["status"] = "running"
     before = len(ids & set(read_done(p.dir / "cases.jsonl")))
     man["runs"].append({"started": _now(), "mode": mode, "cases_before": before})

@@ -20,6 +20,7 @@ requests pays, and it is reported next to the end-to-end throughput.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -303,14 +304,14 @@ def run_policy(
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client, args=(k,)) for k in range(cfg.concurrency)]
-        sampler = MemorySampler(service.scheduler, cfg.sample_every or 3600.0)
-        with sampler:
+        sampler = MemorySampler(service.scheduler, cfg.sample_every) if cfg.sample_every else None
+        with sampler or contextlib.nullcontext():
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
         res.wall_s = time.perf_counter() - t0
-        if cfg.sample_every:
+        if sampler:
             res.memory = memory_summary(sampler.samples)
         sch = service.scheduler
         res.peak_kv_bytes, res.peak_running = sch.peak_held_bytes, sch.peak_running
