@@ -37,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from pask.kv import stats
+from pask.kv import native_attention, stats
 from pask.kv.cache import TieredLayer, active_layer, attention_spec
 from pask.kv.errors import UnsupportedModelError
 from pask.kv.storage import _SeqStore
@@ -153,6 +153,9 @@ def pask_attention_forward(
     out = query.new_zeros(bsz, qn, hq, d)
     col = stats.collector_of(layer.cache)
     explicit = col is not None and col.request.step and qn == 1  # a policy asked for step statistics
+    cfg = layer.cache.config
+    if not explicit and qn == 1 and cfg.fast_path and cfg.native and native_attention.applies(query, layer):
+        return native_attention.decode_layer(layer, query, scale), None
     for b in range(bsz):
         if layer.seqs[b] is None:
             continue

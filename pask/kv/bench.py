@@ -97,28 +97,34 @@ def bench_context(
     q = torch.randn(1, spec.num_q_heads, 1, spec.head_dim, generator=gen).to(torch.bfloat16)
     k0, v0 = kv[0]
     scale = spec.head_dim**-0.5
-    from pask.kv import fastpath
+    from pask.kv import fastpath, native_attention
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     q_packed = q.reshape(1, spec.num_kv_heads, -1, spec.head_dim)  # GQA as [B, Hkv, group, D]: no K/V repeat
+    native = cache.config.fast_path and cache.config.native and native_attention.applies(q, layer0)
     fns = {
         "full_sdpa": lambda: sdpa(q, k0, v0, scale=scale, enable_gqa=True),  # what transformers runs at decode
         "full_sdpa_packed_gqa": lambda: sdpa(q_packed, k0, v0, scale=scale),
-        "mixed": lambda: tiered_attention(layer0, 0, q[0], scale, 1),
+        # the path the model runs: the native kernel when it applies, else the per-sequence path
+        "mixed": (lambda: native_attention.decode_layer(layer0, q, scale))
+        if native
+        else (lambda: tiered_attention(layer0, 0, q[0], scale, 1)),
     }
     fused = fastpath.applies(q[0], st)
-    if fused:  # the two streams of the fused path, to show where the time goes
+    if fused:  # PyTorch's fused kernels (the path before the native kernel) and their two streams
         qg = q[0].reshape(spec.num_kv_heads, -1, spec.head_dim)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         hk, hv = st.h.view("k")[None], st.h.view("v")[None]
+        fns["torch_fused"] = lambda: fastpath.decode_attention(q[0], st, scale)
         fns["h_stream"] = lambda: flash(qg[None], hk, hv, 0.0, False, scale=scale)
         fns["int4_stream"] = lambda: fastpath.int4_stream(qg, st, scale)
     ms = _median_ms(fns, repeats)
-    mixed_out = tiered_attention(layer0, 0, q[0], scale, 1).float()
+    mixed_out = fns["mixed"]().float()
     out["attention_ms"] = {k: round(v, 4) for k, v in ms.items()}
     out["attention_speedup"] = ms["full_sdpa"] / ms["mixed"]
     out["attention_speedup_vs_packed_gqa"] = ms["full_sdpa_packed_gqa"] / ms["mixed"]
     out["fused_path"] = fused
+    out["native_kernel"] = native
     if fused and st.l.n and st.h.n:
         per_h = ms["h_stream"] / st.h.n
         out["int4_token_cost_vs_h_token"] = (ms["int4_stream"] / st.l.n) / per_h

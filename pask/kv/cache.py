@@ -54,7 +54,8 @@ class CacheConfig:
     initial_capacity: int = 64  # tokens per tier at first allocation
     shrink_below: float = 0.5  # reallocate a tier to 1.25 x its live slots when live < capacity * shrink_below
     dequant_block: int = 256  # INT4 tokens dequantised at a time by the reference attention
-    fast_path: bool = True  # use PyTorch's fused CPU kernels when they apply (bf16, D=64, CPU)
+    fast_path: bool = True  # use a fused CPU decode path when one applies (bf16 on CPU)
+    native: bool = True  # prefer the compiled kernel (native_attention.cpp) over PyTorch's fused kernels
     key_balance: bool = True  # balance INT4 keys per channel before quantising (see storage.key_balance)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,534 @@
+// Tiered decode attention on the CPU: one query token per sequence over its BF16 (H) and packed
+// INT4 (L) tiers, both streams merged in one FP32 online softmax. Plain C ABI (loaded with ctypes
+// by pask/kv/native_attention.py), one call per layer for the whole batch, parallel over
+// (sequence, kv head) with OpenMP. Layouts are the TieredCache's (pask/kv/storage.py):
+//
+//   H tier   k, v   [Hkv, hcap, D] bf16, hn live slots
+//   L tier   kq     [Hkv, lcap/64, D, 32] u8: 64-slot blocks, d-major; byte j of row d holds
+//                   slot j (low nibble) and slot j + 32 (high nibble); k' = (c - 8) * scale + zero
+//            ksz    [Hkv, D/32, lcap, 2] bf16 (scale, zero) per key group
+//            vq     [Hkv, D/32, lcap, 16] u8: a group's 32 value codes as adjacent pairs
+//            vs, vz [Hkv, D/32, lcap] bf16: v = c * scale + zero
+//            kbal   [Hkv, 2, D] f32 (mid, bal): k = k' * bal + mid
+//
+// Scores of INT4 keys never dequantise a key: with qs = q * bal * scaling,
+//   q.k * scaling = sum_g [scale_g * (qs_g . c_g) + (zero_g - 8 scale_g) * sum(qs_g)] + q.mid * scaling,
+// so a 64-slot block costs one pass over its codes for all the query rows of its kv head (GQA).
+// Values: sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t per group.
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int BT = 64;    // tokens per block (the INT4 key code block)
+constexpr int QG = 32;    // quantisation group along head_dim
+constexpr int MAXD = 128; // largest head_dim served
+constexpr int MAXR = 16;  // largest number of query rows per kv head
+
+inline float bf2f(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// exp for x <= 88 (Cephes expf polynomial, ~1 ulp); vectorises (no libm call).
+inline float fexp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &bits, 4);
+  return p * s;
+}
+
+#if defined(__AVX512F__)
+inline __m512 fexp16(__m512 x) {  // fexp on 16 lanes
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+struct Seq {
+  const uint16_t *kh, *vh;
+  int64_t hcap, hn;
+  const uint8_t *kq, *vq;
+  const uint16_t *ksz, *vs, *vz;
+  int64_t lcap, ln;
+  const float *kbal;
+};
+
+// Running state of one kv head's query rows: max, sum, outputs (H part and the L part's
+// even/odd code accumulators and per-group zero sums).
+struct State {
+  int grp, D, G;
+  alignas(64) float m[MAXR];
+  alignas(64) float l[MAXR];
+  alignas(64) float acc[MAXR][MAXD];
+  alignas(64) float even[MAXR][MAXD / 2];
+  alignas(64) float odd[MAXR][MAXD / 2];
+  alignas(64) float zs[MAXR][MAXD / QG];
+  alignas(64) float sc[MAXR][BT];  // scores of the current block, then its probabilities
+
+  void init(int g_, int d_) {
+    grp = g_;
+    D = d_;
+    G = d_ / QG;
+    for (int r = 0; r < grp; ++r) {
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
+      std::fill(acc[r], acc[r] + D, 0.0f);
+      std::fill(even[r], even[r] + D / 2, 0.0f);
+      std::fill(odd[r], odd[r] + D / 2, 0.0f);
+      std::fill(zs[r], zs[r] + G, 0.0f);
+    }
+  }
+
+  // Online-softmax step over sc[r][0..nt): rescale the running state, turn scores into weights
+  // (weights of slots nt..BT-1 are set to 0).
+  void absorb(int nt) {
+    for (int r = 0; r < grp; ++r) {
+      float* s = sc[r];
+      const float mn = std::max(m[r], block_max(s, nt));
+      if (mn == -INFINITY) {  // every score -inf so far: nothing to weigh
+        std::fill(s, s + BT, 0.0f);
+        continue;
+      }
+      if (mn > m[r]) {
+        const float a = m[r] == -INFINITY ? 0.0f : fexp(m[r] - mn);
+        l[r] *= a;
+        for (int d = 0; d < D; ++d) acc[r][d] *= a;
+        for (int d = 0; d < D / 2; ++d) even[r][d] *= a;
+        for (int d = 0; d < D / 2; ++d) odd[r][d] *= a;
+        for (int g = 0; g < G; ++g) zs[r][g] *= a;
+        m[r] = mn;
+      }
+      l[r] += exp_block(s, nt, mn);
+    }
+  }
+
+#if defined(__AVX512F__)
+  static __mmask16 tail(int nt, int c) {
+    const int k = nt - 16 * c;
+    return k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1);
+  }
+  static float block_max(const float* s, int nt) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c * 16 < nt; ++c) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail(nt, c), s + 16 * c));
+    return _mm512_reduce_max_ps(mv);
+  }
+  static float exp_block(float* s, int nt, float mn) {
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 m = _mm512_set1_ps(mn);
+    for (int c = 0; c < BT / 16; ++c) {
+      const __m512 p = _mm512_maskz_mov_ps(tail(nt, c), fexp16(_mm512_sub_ps(_mm512_load_ps(s + 16 * c), m)));
+      _mm512_store_ps(s + 16 * c, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
+#else
+  static float block_max(const float* s, int nt) {
+    float mb = -INFINITY;
+    for (int t = 0; t < nt; ++t) mb = s[t] > mb ? s[t] : mb;
+    return mb;
+  }
+  static float exp_block(float* s, int nt, float mn) {
+    float sum = 0.0f;
+    for (int t = 0; t < BT; ++t) {
+      const float p = t < nt ? fexp(s[t] - mn) : 0.0f;
+      s[t] = p;
+      sum += p;
+    }
+    return sum;
+  }
+#endif
+
+  void write(float* out) const {
+    for (int r = 0; r < grp; ++r) {
+      float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      float* o = out + static_cast<int64_t>(r) * D;
+      for (int g = 0; g < G; ++g) {
+        for (int j = 0; j < QG / 2; ++j) {
+          int d = g * QG + 2 * j;
+          o[d] = (acc[r][d] + even[r][g * (QG / 2) + j] + zs[r][g]) * inv;
+          o[d + 1] = (acc[r][d + 1] + odd[r][g * (QG / 2) + j] + zs[r][g]) * inv;
+        }
+      }
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+// ---- AVX-512 kernels (D = 64 or 128) --------------------------------------------------------
+
+inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// Lane i of the result = sum of the 16 lanes of v[i].
+inline __m512 hsum16(__m512* v) {
+  __m512 r[8], s[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    r[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    __m512d a = _mm512_castps_pd(r[2 * k]), b = _mm512_castps_pd(r[2 * k + 1]);
+    s[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int k = 0; k < 2; ++k)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// scores sc[r][0..nt) = scaling * q_r . k_t over BF16 keys K (token-major, D values each)
+template <int D>
+void h_scores(State& st, const uint16_t* qb, float scaling, const uint16_t* K, int nt) {
+  for (int r = 0; r < st.grp; ++r) {
+    const uint16_t* qr = qb + r * D;
+#if defined(__AVX512BF16__)
+    __m512bh qv[D / 32];
+    for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+#else
+    __m512 qv[D / 16];
+    for (int c = 0; c < D / 16; ++c) qv[c] = bf16x16(qr + 16 * c);
+#endif
+    for (int t0 = 0; t0 < nt; t0 += 16) {
+      __m512 part[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 acc = _mm512_setzero_ps();
+        if (t0 + i < nt) {
+          const uint16_t* k = K + static_cast<int64_t>(t0 + i) * D;
+#if defined(__AVX512BF16__)
+          for (int c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+#else
+          for (int c = 0; c < D / 16; ++c) acc = _mm512_fmadd_ps(qv[c], bf16x16(k + 16 * c), acc);
+#endif
+        }
+        part[i] = acc;
+      }
+      _mm512_store_ps(st.sc[r] + t0, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scaling)));
+    }
+  }
+}
+
+// acc[r] += sum_t p[r][t] v_t over BF16 values V (token-major)
+template <int D>
+void h_values(State& st, const uint16_t* V, int nt) {
+  constexpr int C = D / 16, RC = D == 64 ? 4 : 2;
+  for (int r0 = 0; r0 < st.grp; r0 += RC) {
+    const int rn = std::min(RC, st.grp - r0);
+    __m512 acc[RC][C];
+    for (int r = 0; r < rn; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_load_ps(st.acc[r0 + r] + 16 * c);
+    for (int t = 0; t < nt; ++t) {
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = bf16x16(V + static_cast<int64_t>(t) * D + 16 * c);
+      for (int r = 0; r < rn; ++r) {
+        const __m512 p = _mm512_set1_ps(st.sc[r0 + r][t]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < rn; ++r)
+      for (int c = 0; c < C; ++c) _mm512_store_ps(st.acc[r0 + r] + 16 * c, acc[r][c]);
+  }
+}
+
+// sc[r][t] += scale_t * (qs_r . c_t) + off_t * qsum_r for the 64 slots of block `blk`, group g
+template <int D>
+void l_scores_group(State& st, const float (*qs)[MAXD], const float* qsum_g, const uint8_t* KQ, int64_t blk,
+                    int g, const float* scl, const float* off) {
+  alignas(64) float cb[QG][BT];
+  const __m512i m15 = _mm512_set1_epi32(15);
+  for (int d = 0; d < QG; ++d) {
+    const uint8_t* row = KQ + (blk * D + g * QG + d) * (BT / 2);
+    for (int h = 0; h < 2; ++h) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + 16 * h)));
+      _mm512_store_ps(cb[d] + 16 * h, _mm512_cvtepi32_ps(_mm512_and_si512(b, m15)));
+      _mm512_store_ps(cb[d] + 32 + 16 * h, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+    }
+  }
+  constexpr int RC = 4;
+  for (int r0 = 0; r0 < st.grp; r0 += RC) {
+    const int rn = std::min(RC, st.grp - r0);
+    __m512 acc[RC][4];
+    for (int r = 0; r < RC; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int d = 0; d < QG; ++d) {
+      const __m512 c0 = _mm512_load_ps(cb[d]), c1 = _mm512_load_ps(cb[d] + 16), c2 = _mm512_load_ps(cb[d] + 32),
+                   c3 = _mm512_load_ps(cb[d] + 48);
+      for (int r = 0; r < rn; ++r) {
+        const __m512 q = _mm512_set1_ps(qs[r0 + r][g * QG + d]);
+        acc[r][0] = _mm512_fmadd_ps(q, c0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(q, c1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(q, c2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(q, c3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < rn; ++r) {
+      const __m512 qg = _mm512_set1_ps(qsum_g[r0 + r]);
+      float* s = st.sc[r0 + r];
+      for (int c = 0; c < 4; ++c) {
+        __m512 x = _mm512_fmadd_ps(_mm512_load_ps(off + 16 * c), qg, _mm512_load_ps(s + 16 * c));
+        _mm512_store_ps(s + 16 * c, _mm512_fmadd_ps(_mm512_load_ps(scl + 16 * c), acc[r][c], x));
+      }
+    }
+  }
+}
+
+// even/odd[r] += sum_t p[r][t] * vs_t * codes_t for group g of the block; zs[r][g] += sum_t p[r][t] vz_t
+void l_values_group(State& st, const uint8_t* vq, const float* vs, const float* vz, int nt, int g) {
+  alignas(64) float w[MAXR][BT];
+  for (int r = 0; r < st.grp; ++r) {  // weights past nt are 0 (absorb)
+    __m512 z = _mm512_setzero_ps();
+    for (int c = 0; c < BT / 16; ++c) {
+      const __m512 p = _mm512_load_ps(st.sc[r] + 16 * c);
+      _mm512_store_ps(w[r] + 16 * c, _mm512_mul_ps(p, _mm512_load_ps(vs + 16 * c)));
+      z = _mm512_fmadd_ps(p, _mm512_load_ps(vz + 16 * c), z);
+    }
+    st.zs[r][g] += _mm512_reduce_add_ps(z);
+  }
+  const __m512i m15 = _mm512_set1_epi32(15);
+  constexpr int RC = 8;
+  for (int r0 = 0; r0 < st.grp; r0 += RC) {
+    const int rn = std::min(RC, st.grp - r0);
+    __m512 ev[RC], od[RC];
+    for (int r = 0; r < rn; ++r) {
+      ev[r] = _mm512_load_ps(st.even[r0 + r] + g * (QG / 2));
+      od[r] = _mm512_load_ps(st.odd[r0 + r] + g * (QG / 2));
+    }
+    for (int t = 0; t < nt; ++t) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(vq + static_cast<int64_t>(t) * (QG / 2))));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+      for (int r = 0; r < rn; ++r) {
+        const __m512 p = _mm512_set1_ps(w[r0 + r][t]);
+        ev[r] = _mm512_fmadd_ps(p, lo, ev[r]);
+        od[r] = _mm512_fmadd_ps(p, hi, od[r]);
+      }
+    }
+    for (int r = 0; r < rn; ++r) {
+      _mm512_store_ps(st.even[r0 + r] + g * (QG / 2), ev[r]);
+      _mm512_store_ps(st.odd[r0 + r] + g * (QG / 2), od[r]);
+    }
+  }
+}
+#endif
+
+void h_stream(State& st, const uint16_t* qb, const float (*qh)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp;
+  const uint16_t* K = s.kh + static_cast<int64_t>(h) * s.hcap * D;
+  const uint16_t* V = s.vh + static_cast<int64_t>(h) * s.hcap * D;
+  alignas(64) float kf[BT][MAXD];
+  alignas(64) float vf[MAXD];
+  for (int64_t t0 = 0; t0 < s.hn; t0 += BT) {
+    const int nt = static_cast<int>(std::min<int64_t>(BT, s.hn - t0));
+    const uint16_t* Kb = K + t0 * D;
+    const uint16_t* Vb = V + t0 * D;
+#if defined(__AVX512F__)
+    if (D == 64 || D == 128) {
+      if (D == 64) h_scores<64>(st, qb, scaling, Kb, nt); else h_scores<128>(st, qb, scaling, Kb, nt);
+      st.absorb(nt);
+      if (D == 64) h_values<64>(st, Vb, nt); else h_values<128>(st, Vb, nt);
+      continue;
+    }
+#endif
+    for (int t = 0; t < nt; ++t)
+      for (int d = 0; d < D; ++d) kf[t][d] = bf2f(Kb[t * D + d]);
+    for (int r = 0; r < grp; ++r) {
+      for (int t = 0; t < nt; ++t) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qh[r][d] * kf[t][d];
+        st.sc[r][t] = dot;
+      }
+    }
+    st.absorb(nt);
+    for (int t = 0; t < nt; ++t) {
+      for (int d = 0; d < D; ++d) vf[d] = bf2f(Vb[t * D + d]);
+      for (int r = 0; r < grp; ++r) {
+        const float p = st.sc[r][t];
+        float* a = st.acc[r];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] += p * vf[d];
+      }
+    }
+  }
+}
+
+void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap;
+  const uint8_t* KQ = s.kq + static_cast<int64_t>(h) * (cap / BT) * D * (BT / 2);
+  const uint16_t* KSZ = s.ksz + static_cast<int64_t>(h) * G * cap * 2;
+  const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 2);
+  const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
+  const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
+  const float* mid = s.kbal + static_cast<int64_t>(h) * 2 * D;
+  const float* bal = mid + D;
+  alignas(64) float qs[MAXR][MAXD];
+  alignas(64) float qsum[MAXD / QG][MAXR];
+  alignas(64) float cst[MAXR];
+  for (int r = 0; r < grp; ++r) {
+    float c = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      qs[r][d] = qf[r][d] * bal[d] * scaling;
+      c += qf[r][d] * mid[d];
+    }
+    cst[r] = c * scaling;
+    for (int g = 0; g < G; ++g) {
+      float t = 0.0f;
+      for (int d = g * QG; d < (g + 1) * QG; ++d) t += qs[r][d];
+      qsum[g][r] = t;
+    }
+  }
+  alignas(64) float a[MAXR][BT];
+  alignas(64) float codes[BT];
+  alignas(64) float scl[BT], off[BT], vsf[BT], vzf[BT];
+  alignas(64) float lo[QG / 2], hi[QG / 2];
+  for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
+    const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
+    const int64_t blk = t0 / BT;
+    for (int r = 0; r < grp; ++r)
+      for (int t = 0; t < BT; ++t) st.sc[r][t] = cst[r];
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
+      for (int t = 0; t < BT; ++t) {  // whole block: slots past nt hold finite stale / zero data
+        scl[t] = bf2f(sz[2 * t]);
+        off[t] = bf2f(sz[2 * t + 1]) - 8.0f * scl[t];
+      }
+#if defined(__AVX512F__)
+      if (D == 64 || D == 128) {
+        if (D == 64) l_scores_group<64>(st, qs, qsum[g], KQ, blk, g, scl, off);
+        else l_scores_group<128>(st, qs, qsum[g], KQ, blk, g, scl, off);
+        continue;
+      }
+#endif
+      for (int r = 0; r < grp; ++r) std::fill(a[r], a[r] + BT, 0.0f);
+      for (int d = g * QG; d < (g + 1) * QG; ++d) {
+        const uint8_t* row = KQ + (blk * D + d) * (BT / 2);
+        for (int j = 0; j < BT / 2; ++j) {
+          codes[j] = static_cast<float>(row[j] & 15);
+          codes[j + BT / 2] = static_cast<float>(row[j] >> 4);
+        }
+        for (int r = 0; r < grp; ++r) {
+          const float q = qs[r][d];
+          float* ar = a[r];
+#pragma omp simd
+          for (int t = 0; t < BT; ++t) ar[t] += q * codes[t];
+        }
+      }
+      for (int r = 0; r < grp; ++r) {
+        const float qg = qsum[g][r];
+#pragma omp simd
+        for (int t = 0; t < BT; ++t) st.sc[r][t] += scl[t] * a[r][t] + off[t] * qg;
+      }
+    }
+    st.absorb(nt);
+    for (int g = 0; g < G; ++g) {
+      const int64_t base = static_cast<int64_t>(g) * cap + t0;
+      for (int t = 0; t < BT; ++t) {  // whole block (finite stale / zero data past nt, weight 0)
+        vsf[t] = bf2f(VS[base + t]);
+        vzf[t] = bf2f(VZ[base + t]);
+      }
+#if defined(__AVX512F__)
+      l_values_group(st, VQ + base * (QG / 2), vsf, vzf, nt, g);
+      continue;
+#endif
+      for (int t = 0; t < nt; ++t) {
+        const uint8_t* b = VQ + (base + t) * (QG / 2);
+        for (int j = 0; j < QG / 2; ++j) {
+          lo[j] = static_cast<float>(b[j] & 15);
+          hi[j] = static_cast<float>(b[j] >> 4);
+        }
+        for (int r = 0; r < grp; ++r) {
+          const float p = st.sc[r][t];
+          const float w = p * vsf[t];
+          float* e = st.even[r] + g * (QG / 2);
+          float* o = st.odd[r] + g * (QG / 2);
+#pragma omp simd
+          for (int j = 0; j < QG / 2; ++j) {
+            e[j] += w * lo[j];
+            o[j] += w * hi[j];
+          }
+          st.zs[r][g] += p * vzf[t];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for an unsupported shape (nothing written).
+// q, out: [nseq, hkv * grp, D] (q bf16, out f32); per-sequence arrays of pointers (null = no tier /
+// finished sequence) and slot counts. A sequence with neither tier gets zeros.
+int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const uint16_t* q,
+                      const void* const* kh, const void* const* vh, const int64_t* hcap, const int64_t* hn,
+                      const void* const* kq, const void* const* ksz, const void* const* vq,
+                      const void* const* vs, const void* const* vz, const int64_t* lcap, const int64_t* ln,
+                      const void* const* kbal, float* out, int nthreads) {
+  if (D % QG != 0 || D > MAXD || D <= 0 || grp < 1 || grp > MAXR || hkv < 1 || nseq < 0) return -1;
+  const int ntask = nseq * hkv;
+  const int64_t rows = static_cast<int64_t>(hkv) * grp;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
+  for (int i = 0; i < ntask; ++i) {
+    const int b = i / hkv, h = i % hkv;
+    float* o = out + (b * rows + static_cast<int64_t>(h) * grp) * D;
+    Seq s{static_cast<const uint16_t*>(kh[b]), static_cast<const uint16_t*>(vh[b]), hcap[b], kh[b] ? hn[b] : 0,
+          static_cast<const uint8_t*>(kq[b]), static_cast<const uint8_t*>(vq[b]),
+          static_cast<const uint16_t*>(ksz[b]), static_cast<const uint16_t*>(vs[b]),
+          static_cast<const uint16_t*>(vz[b]), lcap[b], kq[b] ? ln[b] : 0, static_cast<const float*>(kbal[b])};
+    if (s.hn <= 0 && s.ln <= 0) {
+      std::fill(o, o + grp * D, 0.0f);
+      continue;
+    }
+    alignas(64) float qf[MAXR][MAXD];
+    alignas(64) float qh[MAXR][MAXD];
+    const uint16_t* qb = q + (b * rows + static_cast<int64_t>(h) * grp) * D;
+    for (int r = 0; r < grp; ++r)
+      for (int d = 0; d < D; ++d) {
+        qf[r][d] = bf2f(qb[r * D + d]);
+        qh[r][d] = qf[r][d] * scaling;
+      }
+    State st;
+    st.init(grp, D);
+    if (s.hn > 0) h_stream(st, qb, qh, scaling, s, h);
+    if (s.ln > 0) l_stream(st, qf, scaling, s, h);
+    st.write(o);
+  }
+  return 0;
+}
+
+}  // extern "C"

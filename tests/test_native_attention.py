@@ -1,0 +1,180 @@
+"""The native decode attention kernel: agreement with the reference path, edge cases, fallbacks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig
+
+from pask.kv import Action, CacheConfig, TieredCache
+from pask.kv import native_attention as na
+from pask.kv.attention import tiered_attention_reference
+
+
+def _config(hkv: int, grp: int, d: int) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=hkv * grp * d,
+        num_attention_heads=hkv * grp,
+        num_key_value_heads=hkv,
+        head_dim=d,
+        num_hidden_layers=1,
+        intermediate_size=8,
+        vocab_size=8,
+    )
+
+
+def _layer(hkv, grp, d, lengths, mixes, seed=0, key_scale=1.0, window=4):
+    """A one-layer bf16 cache with one row per length, tiers drawn from each row's (H, L, R) mix."""
+    gen = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    cache = TieredCache(_config(hkv, grp, d), CacheConfig(num_groups=1, recent_window=window), len(lengths))
+    cache.begin_prefill([n - x for x in lengths])
+    k = (torch.randn(len(lengths), hkv, n, d, generator=gen) * key_scale).to(torch.bfloat16)
+    v = torch.randn(len(lengths), hkv, n, d, generator=gen).to(torch.bfloat16)
+    cache.update(k, v, 0)
+    for row, (length, (ph, pl, _)) in enumerate(zip(lengths, mixes, strict=True)):
+        u = torch.rand(max(0, length - window), generator=gen)
+        tier = torch.where(u < ph, 0, torch.where(u < ph + pl, 1, 2))
+        for a in (Action.L, Action.R):
+            cache.apply(row, 0, torch.nonzero(tier == int(a)).flatten(), a)
+    return cache, cache.layers[0]
+
+
+def _reference(layer, q, scaling):
+    rows = []
+    for b, store in enumerate(layer.seqs):
+        if store is None:
+            rows.append(torch.zeros(q.shape[1], q.shape[-1]))
+        else:
+            rows.append(tiered_attention_reference(q[b], store, scaling).float()[0])
+    return torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not na.available():
+        pytest.skip(f"native attention kernel: {na.status()}")
+    return na
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ here")
+    assert na.available(), na.status()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.sampled_from([(2, 7, 64), (3, 3, 64), (2, 6, 128), (1, 16, 64), (1, 1, 64)]),
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=3),
+    mix=st.sampled_from([(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.34, 0.33, 0.33), (0.0, 0.5, 0.5), (0.0, 0.0, 1.0)]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_reference_on_random_tiers(native, shape, lengths, mix, seed):
+    hkv, grp, d = shape
+    _, layer = _layer(hkv, grp, d, lengths, [mix] * len(lengths), seed=seed)
+    q = torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    assert na.applies(q, layer)
+    got = na.decode_layer(layer, q, d**-0.5)
+    assert got.shape == (len(lengths), 1, hkv * grp, d) and got.dtype == torch.bfloat16
+    want = _reference(layer, q, d**-0.5)
+    assert (got[:, 0].float() - want).abs().max() <= 0.01 * max(1.0, float(want.abs().max()))
+
+
+def test_large_scores_stay_finite_and_exact(native):
+    """Scores in the hundreds: the online softmax must rescale, not overflow."""
+    _, layer = _layer(2, 7, 64, [700, 129], [(0.3, 0.6, 0.1), (0.0, 1.0, 0.0)], key_scale=40.0)
+    q = (torch.randn(2, 14, 1, 64) * 3).to(torch.bfloat16)
+    got = na.decode_layer(layer, q, 0.125)[:, 0].float()
+    want = _reference(layer, q, 0.125)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 0.02 * max(1.0, float(want.abs().max()))
+
+
+def test_dropped_row_gets_zeros_and_others_are_unaffected(native):
+    cache, layer = _layer(2, 7, 64, [200, 150, 90], [(0.34, 0.33, 0.33)] * 3)
+    q = torch.randn(3, 14, 1, 64).to(torch.bfloat16)
+    before = na.decode_layer(layer, q, 0.125)
+    cache.drop(1)
+    after = na.decode_layer(layer, q, 0.125)
+    assert torch.equal(after[1], torch.zeros_like(after[1]))
+    assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
+
+
+def test_model_decode_runs_the_kernel_and_agrees_with_reference(native, monkeypatch):
+    from pask.kv.runner import decode_with_policy
+    from pask.models import load_model
+    from pask.policies import StaticMixPolicy
+
+    lm = load_model("smollm2-135m", dtype=torch.bfloat16)
+    tok = lm.tokenizer
+    rows = [tok("def add(a, b):\n    return a + b\n\n" * 3)["input_ids"], tok("SELECT name FROM t")["input_ids"]]
+    gens = [torch.Generator().manual_seed(r) for r in (0, 1)]
+    forced = [[int(x) for x in torch.randint(100, 1000, (8,), generator=g)] for g in gens]
+    calls = {"n": 0}
+    real = na.decode_layer
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(na, "decode_layer", counting)
+    runs = []
+    for cfg in (CacheConfig(recent_window=4), CacheConfig(recent_window=4, fast_path=False)):
+        step = [0, 0]
+
+        def nxt(row, logits, step=step):
+            step[row] += 1
+            return forced[row][step[row] - 1]
+
+        res = decode_with_policy(lm.model, rows, StaticMixPolicy(0.34, 0.33, 0.33), 8, cfg, nxt, keep_logits=True)
+        runs.append(torch.stack(res.logits).float())
+        if not calls["n"]:
+            pytest.fail("the decode never reached the native kernel")
+        calls["n"] = -(10**9)  # the reference run must not call it
+    assert calls["n"] == -(10**9)
+    rel = (runs[0] - runs[1]).abs().max() / runs[1].abs().max()
+    assert rel < 0.05, float(rel)
+
+
+def test_applies_only_to_what_the_kernel_serves(native):
+    _, layer = _layer(2, 7, 64, [50], [(0.5, 0.5, 0.0)])
+    assert na.applies(torch.zeros(1, 14, 1, 64, dtype=torch.bfloat16), layer)
+    assert not na.applies(torch.zeros(1, 14, 1, 64), layer)  # fp32 query
+    assert not na.applies(torch.zeros(1, 14, 2, 64, dtype=torch.bfloat16), layer)  # an extend, not a decode
+    _, wide = _layer(1, 17, 64, [50], [(1.0, 0.0, 0.0)])
+    assert not na.applies(torch.zeros(1, 17, 1, 64, dtype=torch.bfloat16), wide)  # 17 query rows per kv head
+
+
+def test_missing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(na, "_STATE", None)
+    monkeypatch.setattr(na, "_LIB", None)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PASK_CACHE", str(tmp_path))
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        assert not na.available()
+    assert "no C++ compiler" in na.status()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        na.decode_layer(None, torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16), 1.0)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(na, "_STATE", None)
+    monkeypatch.setattr(na, "_LIB", None)
+    monkeypatch.setenv("PASK_NATIVE", "0")
+    assert not na.available() and na.status() == "disabled by PASK_NATIVE=0"
+
+
+def test_compile_error_is_reported(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(na, "SOURCE", bad)
+    monkeypatch.setenv("PASK_CACHE", str(tmp_path))
+    if na._compiler() is None:
+        pytest.skip("no compiler")
+    with pytest.raises(RuntimeError, match=r"compiling bad\.cpp failed"):
+        na.library_path()
