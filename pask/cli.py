@@ -511,11 +511,17 @@ def sweep(
     adopt: Annotated[
         bool, typer.Option(help="take finished `pask eval` results of the same cell (model, policy, budget, cases)")
     ] = False,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(help="run only the cells matching KEY=V1,V2 (model, task, split, policy, budget; repeatable)"),
+    ] = None,
 ) -> None:
-    """Run an evaluation sweep: resumable cells, one progress bar, per-cell timing in sweep.json."""
-    from pask.sweep import load_config, plan, run_sweep
+    """Run an evaluation sweep: resumable cells, one progress bar, per-cell timing in a record file."""
+    from pask.sweep import load_config, plan, record_path, run_sweep, select_cells
 
     cfg = load_config(config, results_dir=results, threads=threads)
+    if only:
+        cfg = select_cells(cfg, only)
     if dry_run:
         for p in plan(cfg, code_version(), overwrite=force, dry_run=True, adopt=adopt):
             print(f"{p.state:7s} {p.n_done:5d}/{len(p.cases):<5d} {p.dir}")
@@ -534,7 +540,8 @@ def sweep(
         run_now, wall = c.get("cases_run", 0), c.get("wall_s", 0.0)
         lines.append(f"| {name} | {c['state']} | {c['n']} | {run_now} | {wall:.1f} | {acc} | {b} |")
     print("\n".join(lines))
-    console.print(f"results: {cfg.results_dir}/ (record: sweep.json); tables, plots: `pask report {cfg.results_dir}`")
+    rec = record_path(cfg).name
+    console.print(f"results: {cfg.results_dir}/ (record: {rec}); tables, plots: `pask report {cfg.results_dir}`")
 
 
 @app.command()

@@ -32,7 +32,7 @@ Each cell writes ``results_dir/<model>/<task>/<split>/<policy>-b<budget>/`` (Ful
 hash of everything that changes its results (``config_hash``), the code version and timing.
 A rerun skips finished cells and resumes unfinished ones; a cell made by another code version
 or configuration is refused (:class:`PaskError`) unless ``overwrite=True`` (``--force``), which
-deletes and reruns it. ``results_dir/sweep.json`` records the last sweep: status and timing
+deletes and reruns it. ``results_dir/sweep-<config stem>.json`` records the last sweep of a config: status and timing
 per cell. Policies ``pask-prefill`` / ``pask-decode`` are PASK with the table applied to the
 prompt only / to generated tokens only (the paper's Table 17 ablation).
 
@@ -55,7 +55,7 @@ import subprocess
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,16 @@ from pask.errors import PaskError
 from pask.evaluation.case_rows import read_done, repair_jsonl
 
 CELL_FILE = "cell.json"
-SWEEP_FILE = "sweep.json"
+SWEEP_FILE = "sweep.json"  # the record's name for a config given without a file
+
+
+def record_path(config: SweepConfig) -> Path:
+    """Where a sweep's record goes: ``sweep-<config stem>.json`` (configs sharing a results dir keep
+    their own records), ``sweep.json`` for a config without a file."""
+    name = f"sweep-{Path(config.source).stem}.json" if config.source else SWEEP_FILE
+    return config.results_dir / name
+
+
 SHARDS_DIR = "shards"
 ABLATIONS = {"pask": (True, True), "pask-prefill": (True, False), "pask-decode": (False, True)}
 DTYPES = ("bf16", "fp32")
@@ -273,6 +282,7 @@ class SweepConfig:
     threads: int | None = None
     source: str | None = None  # config file path
     sha256: str | None = None  # of the config file
+    only: list[str] | None = None  # cell filters (select_cells): the other cells are left as they are
 
 
 def load_config(path: Path | str, results_dir: Path | str | None = None, threads: int | None = None) -> SweepConfig:
@@ -289,6 +299,24 @@ def load_config(path: Path | str, results_dir: Path | str | None = None, threads
     cfg = parse_config(data, path.parent, results_dir, threads)
     cfg.source, cfg.sha256 = str(path), hashlib.sha256(raw).hexdigest()
     return cfg
+
+
+FILTER_KEYS = ("model", "task", "split", "policy", "budget")
+
+
+def select_cells(config: SweepConfig, only: list[str]) -> SweepConfig:
+    """The config restricted to the cells matching every ``KEY=V1,V2`` filter (keys: model, task,
+    split, policy, budget; a budget as written in cell names, ``1`` for Full KV)."""
+    cells = config.cells
+    for f in only:
+        key, sep, values = f.partition("=")
+        wanted = {v.strip() for v in values.split(",") if v.strip()}
+        if not sep or key not in FILTER_KEYS or not wanted:
+            raise PaskError(f"bad cell filter {f!r}: use KEY=V1,V2 with KEY one of {', '.join(FILTER_KEYS)}")
+        cells = [c for c in cells if (budget_label(c.budget) if key == "budget" else getattr(c, key)) in wanted]
+    if not cells:
+        raise PaskError(f"no cell of {config.source or 'the config'} matches {' and '.join(only)}")
+    return replace(config, cells=cells, only=list(only))
 
 
 def _list(block: dict, key: str, kind: type | tuple, where: str) -> list:
@@ -782,7 +810,7 @@ def run_sweep(
     """Run every unfinished cell (in-process, or as Ray tasks when ``ray_address`` is given).
 
     ``load(model, dtype)`` loads a model (default :func:`pask.models.load_model`); in-process each
-    model is loaded once for all its cells. Writes and returns ``sweep.json``'s content.
+    model is loaded once for all its cells. Writes and returns the record (:func:`record_path`).
     """
     version = code_version()
     plans = plan(config, version, overwrite, adopt=adopt)
@@ -795,13 +823,19 @@ def run_sweep(
         "started": _now(),
         "cells": {p.cell.name: {"state": p.state, "n": len(p.cases)} for p in plans},
     }
+    if config.only:  # a partial run updates its cells in the record of the same config
+        record["only"] = config.only
+        old = record_path(config)
+        prev = json.loads(old.read_text()) if old.exists() else {}
+        if prev.get("config_sha256") == config.sha256:
+            record["cells"] = {**prev.get("cells", {}), **record["cells"]}
     tracker = _Tracker(plans, progress)
     t0 = time.perf_counter()
 
     def cell_done(p: CellPlan, summary: dict, wall: float, ran: int) -> None:
         record["cells"][p.cell.name].update(_cell_record(summary, wall, ran))
         record["wall_s"] = round(time.perf_counter() - t0, 2)
-        write_json(config.results_dir / SWEEP_FILE, record)
+        write_json(record_path(config), record)
 
     for p in plans:
         if p.state == "done":
@@ -820,7 +854,7 @@ def run_sweep(
                 c["state"] = "unfinished"
         record["finished"] = _now()
         record["wall_s"] = round(time.perf_counter() - t0, 2)
-        write_json(config.results_dir / SWEEP_FILE, record)
+        write_json(record_path(config), record)
     return record
 
 

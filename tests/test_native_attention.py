@@ -178,3 +178,63 @@ def test_compile_error_is_reported(monkeypatch, tmp_path):
         pytest.skip("no compiler")
     with pytest.raises(RuntimeError, match=r"compiling bad\.cpp failed"):
         na.library_path()
+
+
+def _tiers(store) -> dict:
+    out = {f"h.{k}": store.h.parts[k].live(store.h.t[k], store.h.n) for k in ("k", "v")} if store.h.n else {}
+    if store.l.n:
+        n = store.l.n
+        out.update({f"l.{k}": store.l.parts[k].live(store.l.t[k], n) for k in ("ksz", "vq", "vs", "vz")})
+        out["l.kq"] = store.l.parts["kq"].read(store.l.t["kq"], torch.arange(n))
+    return out
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**16),
+    d=st.sampled_from([64, 128]),
+    scale=st.sampled_from([1e-3, 1.0, 50.0]),
+    flat=st.booleans(),
+)
+def test_single_token_int4_move_is_bit_exact_with_the_python_path(native, seed, d, scale, flat):
+    """Decode-step moves (one position at a time) through the native mover equal the PyTorch path."""
+    gen = torch.Generator().manual_seed(seed)
+    n, window = 150, 4
+    k = (torch.randn(1, 2, n, d, generator=gen) * scale).to(torch.bfloat16)
+    v = (torch.randn(1, 2, n, d, generator=gen) * scale).to(torch.bfloat16)
+    if flat:  # constant groups (zero range) and repeated values
+        k[..., :32] = 0.5
+        v[..., 32:64] = -2.0
+    order = torch.randperm(n - window, generator=gen)[:90].tolist()
+    acts = [Action.L if i % 3 else Action.R for i in range(len(order))]
+    stores = []
+    for use_native in (True, False):
+        cache = TieredCache(_config(2, 3, d), CacheConfig(num_groups=1, recent_window=window, native=use_native), 1)
+        cache.update(k, v, 0)
+        cache.apply(0, 0, torch.tensor(order[:10]), Action.L)  # the prefill-time batch fixes the key balance
+        for p, a in zip(order[10:], acts[10:], strict=True):
+            cache.apply(0, 0, p, a)
+        stores.append(cache.layers[0].seqs[0])
+    got, want = _tiers(stores[0]), _tiers(stores[1])
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_single_position_errors_match_the_batch_path():
+    from pask.kv import AlreadyReleasedError, IrreversibleActionError, ProtectedTokenError, UnknownPositionError
+
+    cache, _ = _layer(2, 7, 64, [40], [(1.0, 0.0, 0.0)])
+    cache.apply(0, 0, 3, Action.L)
+    cache.apply(0, 0, 5, Action.R)
+    for pos, act, err in [
+        (40, Action.L, UnknownPositionError),
+        (-1, Action.R, UnknownPositionError),
+        (38, Action.L, ProtectedTokenError),
+        (5, Action.L, AlreadyReleasedError),
+        (3, Action.H, IrreversibleActionError),
+    ]:
+        with pytest.raises(err):
+            cache.apply(0, 0, pos, act)
+        with pytest.raises(err):
+            cache.apply(0, 0, torch.tensor([pos, 7]) if pos != 7 else torch.tensor([pos]), act)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -431,3 +432,33 @@ def test_adopt_checks_the_pask_table(tmp_path, fake):
     cell_dir.rmdir()
     _eval_results(cell_dir, ["case0", "case1"], **run, command=f"pask eval bfcl --table {table}")
     assert run_sweep(cfg, load=no_model, adopt=True)["cells"][cell.name]["state"] == "done"
+
+
+def test_only_runs_the_selected_cells_and_merges_the_config_record(tmp_path, fake):
+    cfg = parse_config(fake_config(tmp_path), tmp_path)
+    cfg.source, cfg.sha256 = str(tmp_path / "grid.toml"), "sha-of-grid"
+    full, kivi = (c.name for c in cfg.cells)
+    run_sweep(cfg, load=no_model)
+    assert sweep.record_path(cfg).name == "sweep-grid.json" and sweep.record_path(cfg).exists()
+    fake.clear()
+    shutil.rmtree(cfg.results_dir / cfg.cells[1].rel_dir)
+    part = sweep.select_cells(cfg, ["policy=kivi-4", "budget=0.5"])
+    assert [c.name for c in part.cells] == [kivi]
+    record = run_sweep(part, load=no_model)
+    assert sorted(fake) == sorted(f"case{i}" for i in range(4))  # only the selected cell ran
+    assert set(record["cells"]) == {full, kivi} and record["only"] == ["policy=kivi-4", "budget=0.5"]
+    assert record["cells"][kivi]["cases_run"] == 4 and record["cells"][full]["cases_run"] == 4
+    assert json.loads(sweep.record_path(cfg).read_text())["cells"] == record["cells"]
+
+
+@pytest.mark.parametrize("bad", ["policy", "colour=red", "policy=", "=pask"])
+def test_bad_cell_filter_is_refused(tmp_path, fake, bad):
+    cfg = parse_config(fake_config(tmp_path), tmp_path)
+    with pytest.raises(PaskError, match="bad cell filter"):
+        sweep.select_cells(cfg, [bad])
+
+
+def test_filter_matching_nothing_is_refused(tmp_path, fake):
+    cfg = parse_config(fake_config(tmp_path), tmp_path)
+    with pytest.raises(PaskError, match="no cell"):
+        sweep.select_cells(cfg, ["policy=h2o"])

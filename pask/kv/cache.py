@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from pask.kv import native_attention
 from pask.kv.actions import Action
 from pask.kv.budget import BudgetMeter
 from pask.kv.errors import (
@@ -39,7 +40,7 @@ from pask.kv.errors import (
     UnsupportedModelError,
 )
 from pask.kv.quant import check_group
-from pask.kv.storage import CopyStats, _GroupIndex, _SeqStore
+from pask.kv.storage import _NONE, CopyStats, _GroupIndex, _SeqStore
 
 H, L, R = int(Action.H), int(Action.L), int(Action.R)
 
@@ -315,6 +316,8 @@ class TieredCache(Cache):
         pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
         if pos.numel() == 0:
             return
+        if pos.numel() == 1:  # a decode step's token leaving the window: the scalar path
+            return self._apply_one(seq, group, ix, int(pos[0]), action)
         if int(pos.min()) < 0 or int(pos.max()) >= ix.length:
             bad = pos[(pos < 0) | (pos >= ix.length)][:5].tolist()
             raise UnknownPositionError(f"sequence {seq} has {ix.length} tokens: positions {bad} are unknown")
@@ -347,6 +350,46 @@ class TieredCache(Cache):
                 if sel.numel():
                     self._remove(seq, ix, layers, tier, sel)
                     ix.release(sel)
+
+    def _apply_one(self, seq: int, group: int, ix: _GroupIndex, p: int, action: Action) -> None:
+        """:meth:`apply` for one position, with the same checks and errors."""
+        if p < 0 or p >= ix.length:
+            raise UnknownPositionError(f"sequence {seq} has {ix.length} tokens: positions {[p]} are unknown")
+        if p >= ix.length - self.config.recent_window:
+            raise ProtectedTokenError(
+                f"positions {[p]} of sequence {seq} are inside the protected recent window "
+                f"(last {self.config.recent_window} of {ix.length} tokens stay H)"
+            )
+        tier = int(ix.tier_of.t[p])
+        if tier == R:
+            raise AlreadyReleasedError(f"positions {[p]} of sequence {seq}, group {group} were already released")
+        if action == Action.H:
+            if tier == L:
+                raise IrreversibleActionError(
+                    f"positions {[p]} of sequence {seq}, group {group} are INT4: INT4 cannot go back to H"
+                )
+            return
+        if action == Action.L and tier == L:
+            return
+        stores = [self.layers[i].seqs[seq] for i in self.groups[group]]
+        if action == Action.L:
+            if not (self.config.native and native_attention.move_applies(stores)):
+                layers = [self.layers[i] for i in self.groups[group]]
+                return self._move_to_int4(seq, ix, layers, torch.tensor([p]))
+            lslot = ix.n[L]
+            for st in stores:
+                st.l.reserve(1)
+            slot, last = ix.remove_one(H, p)
+            native_attention.move_to_int4(stores, slot, last, lslot)
+            for st in stores:
+                st.l.commit(1)
+                st.h.remove(_NONE, _NONE, last)
+            ix.add_one(L, p)
+            return
+        slot, _ = ix.remove_one(tier, p)
+        for st in stores:
+            st.tier(tier).remove_one(slot)
+        ix.release_one(p)
 
     def _move_to_int4(self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor) -> None:
         if pos.numel() == 0:

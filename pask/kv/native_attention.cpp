@@ -532,3 +532,126 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
 }
 
 }  // extern "C"
+
+// ---- moving one token from the H tier to the INT4 tier ----------------------------------------
+// Bit-exact with pask.kv.quant.quantize_codes (fp32 arithmetic, bf16 scale rounded up, zero rounded
+// down, widened until the top code covers the max, round-half-even codes): built without FP
+// contraction (-ffp-contract=off) so every product and sum rounds as PyTorch's separate ops do.
+namespace {
+
+inline uint16_t f2bf_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline uint16_t bf_next_up(uint16_t b) {  // nextafter(b, +inf) on bf16 bit patterns
+  if ((b & 0x7FFF) == 0) return 0x0001;     // +-0 -> smallest positive subnormal
+  return (b & 0x8000) ? static_cast<uint16_t>(b - 1) : static_cast<uint16_t>(b + 1);
+}
+
+inline uint16_t bf_next_down(uint16_t b) {  // nextafter(b, -inf)
+  if ((b & 0x7FFF) == 0) return 0x8001;
+  return (b & 0x8000) ? static_cast<uint16_t>(b + 1) : static_cast<uint16_t>(b - 1);
+}
+
+inline uint16_t round_up_bf(float x) {
+  uint16_t h = f2bf_rne(x);
+  return bf2f(h) < x ? bf_next_up(h) : h;
+}
+
+inline uint16_t round_down_bf(float x) {
+  uint16_t h = f2bf_rne(x);
+  return bf2f(h) > x ? bf_next_down(h) : h;
+}
+
+// codes[0..QG) of x[0..QG) with zero point zp; scale and zero as bf16 bits
+void quantize_group(const float* x, int zp, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < QG; ++i) {
+    mn = x[i] < mn ? x[i] : mn;
+    mx = x[i] > mx ? x[i] : mx;
+  }
+  uint16_t scale = round_up_bf((mx - mn) / 15.0f);
+  if (!(bf2f(scale) > 0.0f)) scale = 0x3380;  // 2^-24
+  uint16_t zero;
+  float low;
+  for (;;) {
+    const float s = bf2f(scale);
+    zero = round_down_bf(mn + static_cast<float>(zp) * s);
+    low = bf2f(zero) - static_cast<float>(zp) * s;
+    if (!(low + 15.0f * s < mx)) break;
+    scale = bf_next_up(scale);
+  }
+  const float s = bf2f(scale);
+  for (int i = 0; i < QG; ++i) {
+    float c = std::nearbyint((x[i] - low) / s);
+    c = c < 0.0f ? 0.0f : (c > 15.0f ? 15.0f : c);
+    codes[i] = static_cast<uint8_t>(c);
+  }
+  *scale_out = scale;
+  *zero_out = zero;
+}
+
+}  // namespace
+
+extern "C" {
+
+// For each of `nlayers` layers (one layer group): quantise H slot `slot` of every kv head into INT4
+// slot `lslot` (keys balanced by kbal), then move H slot `last` into `slot` (unless equal). The
+// caller has grown the INT4 tier to hold `lslot` and does the bookkeeping. Returns 0, -1 on a bad shape.
+int pask_move_to_int4(int nlayers, int hkv, int D, const void* const* hk, const void* const* hv,
+                      const int64_t* hcap, int64_t slot, int64_t last, const void* const* kq, const void* const* ksz,
+                      const void* const* vq, const void* const* vs, const void* const* vz, const int64_t* lcap,
+                      int64_t lslot, const void* const* kbal) {
+  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1) return -1;
+  const int G = D / QG;
+  for (int li = 0; li < nlayers; ++li) {
+    uint16_t* K = static_cast<uint16_t*>(const_cast<void*>(hk[li]));
+    uint16_t* V = static_cast<uint16_t*>(const_cast<void*>(hv[li]));
+    uint8_t* KQ = static_cast<uint8_t*>(const_cast<void*>(kq[li]));
+    uint16_t* KSZ = static_cast<uint16_t*>(const_cast<void*>(ksz[li]));
+    uint8_t* VQ = static_cast<uint8_t*>(const_cast<void*>(vq[li]));
+    uint16_t* VS = static_cast<uint16_t*>(const_cast<void*>(vs[li]));
+    uint16_t* VZ = static_cast<uint16_t*>(const_cast<void*>(vz[li]));
+    const float* bal_all = static_cast<const float*>(kbal[li]);
+    const int64_t hc = hcap[li], lc = lcap[li];
+    const int64_t blk = lslot / BT, i = lslot % BT, col = i % (BT / 2);
+    const bool high = i >= BT / 2;
+    for (int h = 0; h < hkv; ++h) {
+      uint16_t* k = K + (static_cast<int64_t>(h) * hc + slot) * D;
+      uint16_t* v = V + (static_cast<int64_t>(h) * hc + slot) * D;
+      const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
+      const float* bal = mid + D;
+      alignas(64) float kx[MAXD], vx[MAXD];
+      for (int d = 0; d < D; ++d) {
+        kx[d] = (bf2f(k[d]) - mid[d]) / bal[d];
+        vx[d] = bf2f(v[d]);
+      }
+      for (int g = 0; g < G; ++g) {
+        uint8_t kc[QG], vc[QG];
+        uint16_t ks, kz, vsc, vzr;
+        quantize_group(kx + g * QG, 8, kc, &ks, &kz);
+        quantize_group(vx + g * QG, 0, vc, &vsc, &vzr);
+        for (int j = 0; j < QG; ++j) {
+          uint8_t* byte = KQ + ((static_cast<int64_t>(h) * (lc / BT) + blk) * D + g * QG + j) * (BT / 2) + col;
+          *byte = high ? static_cast<uint8_t>((*byte & 0x0F) | (kc[j] << 4)) : static_cast<uint8_t>((*byte & 0xF0) | kc[j]);
+        }
+        const int64_t gs = (static_cast<int64_t>(h) * G + g) * lc + lslot;
+        KSZ[2 * gs] = ks;
+        KSZ[2 * gs + 1] = kz;
+        for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
+        VS[gs] = vsc;
+        VZ[gs] = vzr;
+      }
+      if (last != slot) {
+        std::memcpy(k, K + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
+        std::memcpy(v, V + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -32,7 +32,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("native_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-std=c++17"]
-FLAGS += ["-shared", "-fPIC"]
+FLAGS += ["-ffp-contract=off", "-shared", "-fPIC"]  # no fused multiply-add where PyTorch rounds twice
 MAX_ROWS, MAX_DIM, GROUP = 16, 128, 32  # query rows per kv head, head_dim, quantisation group
 
 _LIB: ctypes.CDLL | None = None
@@ -92,6 +92,10 @@ def _load() -> ctypes.CDLL:
     f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp, vp, i64, i64] + [vp] * 5 + [i64, i64, vp, vp]
     f.argtypes += [ctypes.c_int]
     f.restype = ctypes.c_int
+    m = lib.pask_move_to_int4
+    m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
+    m.argtypes += [i64, ctypes.c_int64, vp]
+    m.restype = ctypes.c_int
     return lib
 
 
@@ -234,3 +238,41 @@ def decode_layer(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     if rc != 0:
         raise RuntimeError(f"native attention rejected the shape (Hkv {hkv}, Hq {hq}, D {d})")
     return out.view(bsz, 1, hq, d).to(query.dtype)
+
+
+def move_applies(stores: list) -> bool:
+    """Whether :func:`move_to_int4` serves these stores (bf16 H tiers, key balance already fixed)."""
+    st = stores[0]
+    return (
+        st.group == GROUP
+        and st.h.parts["k"].dtype == torch.bfloat16
+        and all(s.kbal is not None for s in stores)
+        and available()
+    )
+
+
+def move_to_int4(stores: list, slot: int, last: int, lslot: int) -> None:
+    """Quantise H slot ``slot`` of each store (the layers of one group) into INT4 slot ``lslot`` and
+    move H slot ``last`` into ``slot``; bit-exact with :meth:`_SeqStore.append_int4`. The INT4
+    tiers must already hold capacity for ``lslot``; the caller updates the counts."""
+    n = len(stores)
+    vp = ctypes.c_void_p * n
+    i64 = ctypes.c_int64 * n
+    h, lt = [s.h.t for s in stores], [s.l.t for s in stores]
+    d = stores[0].h.parts["k"].post[0]
+    rc = _LIB.pask_move_to_int4(
+        n,
+        stores[0].h.heads,
+        d,
+        vp(*[_ptr(t["k"]) for t in h]),
+        vp(*[_ptr(t["v"]) for t in h]),
+        i64(*[s.h.cap for s in stores]),
+        slot,
+        last,
+        *(vp(*[_ptr(t[k]) for t in lt]) for k in ("kq", "ksz", "vq", "vs", "vz")),
+        i64(*[s.l.cap for s in stores]),
+        lslot,
+        vp(*[_ptr(s.kbal) for s in stores]),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native INT4 move rejected the shape (head_dim {d})")

@@ -62,6 +62,9 @@ class _Plain:
     def move(self, t: torch.Tensor, holes: torch.Tensor, movers: torch.Tensor) -> None:
         t.index_copy_(self.dim, holes, t.index_select(self.dim, movers))
 
+    def move_one(self, t: torch.Tensor, hole: int, mover: int) -> None:
+        t.narrow(self.dim, hole, 1).copy_(t.narrow(self.dim, mover, 1))
+
     def live(self, t: torch.Tensor, n: int) -> torch.Tensor:
         return t.narrow(self.dim, 0, n)
 
@@ -125,11 +128,17 @@ class _BlockedCodes:
     def move(self, t: torch.Tensor, holes: torch.Tensor, movers: torch.Tensor) -> None:
         self.write_slots(t, holes, self.read(t, movers))
 
+    def move_one(self, t: torch.Tensor, hole: int, mover: int) -> None:
+        self.move(t, torch.tensor([hole]), torch.tensor([mover]))
+
     def live(self, t: torch.Tensor, n: int) -> torch.Tensor:
         return t[:, : -(-n // BLOCK)]
 
     def slot_bytes(self, heads: int) -> int:
         return heads * self.d // 2
+
+
+_NONE = torch.empty(0, dtype=torch.long)
 
 
 class _Tier:
@@ -161,18 +170,26 @@ class _Tier:
         self.stats.reallocs += 1
         self.t, self.cap = new, cap
 
-    def append(self, **values: torch.Tensor) -> None:
-        name = next(iter(values))
-        k = values[name].shape[self.parts[name].dim]
+    def reserve(self, k: int) -> None:
+        """Grow the capacity (doubling) so that ``k`` more slots fit."""
         if self.n + k > self.cap:
             cap = max(self.cap, self._round(self.cfg.initial_capacity))
             while cap < self.n + k:
                 cap *= 2
             self._realloc(cap)
-        for key, v in values.items():
-            self.parts[key].write(self.t[key], self.n, v)
+
+    def commit(self, k: int) -> None:
+        """Count ``k`` slots written past ``n`` (after :meth:`reserve`) as live."""
         self.n += k
         self.stats.appended_bytes += k * self._slot_bytes
+
+    def append(self, **values: torch.Tensor) -> None:
+        name = next(iter(values))
+        k = values[name].shape[self.parts[name].dim]
+        self.reserve(k)
+        for key, v in values.items():
+            self.parts[key].write(self.t[key], self.n, v)
+        self.commit(k)
 
     def take(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: p.read(self.t[k], slots) for k, p in self.parts.items()}
@@ -187,6 +204,14 @@ class _Tier:
         elif self.cap > self._round(self.cfg.initial_capacity) and self.n < self.cap * self.cfg.shrink_below:
             # Θ(n) removals or appends separate two reallocations: amortised O(1) per token
             self._realloc(max(self.cfg.initial_capacity, (self.n * 5 + 3) // 4))
+
+    def remove_one(self, slot: int) -> None:
+        """Swap-remove one slot: the last live slot moves into it."""
+        last = self.n - 1
+        if slot != last:
+            for k, p in self.parts.items():
+                p.move_one(self.t[k], slot, last)
+        self.remove(_NONE, _NONE, last)
 
     def compact(self) -> None:
         """Reallocate to the live slots (rounded up to ``align``): returns the spare capacity."""
@@ -294,6 +319,31 @@ class _GroupIndex:
     def release(self, pos: torch.Tensor) -> None:
         self.tier_of.t[pos.long()] = R
         self._count(R, pos, +1)
+
+    # one position at a time (a decode step): plain ints, no tensor ops per call
+    def remove_one(self, tier: int, pos: int) -> tuple[int, int]:
+        """Swap-remove ``pos`` from ``tier``; returns (its slot, the last slot that moved into it)."""
+        slot, last = int(self.slot_of.t[pos]), self.n[tier] - 1
+        if slot != last:
+            moved = int(self.pos_of[tier].t[last])
+            self.pos_of[tier].t[slot] = moved
+            self.slot_of.t[moved] = slot
+        self.n[tier] = last
+        self.counts[tier][int(pos >= self.prompt_len)] -= 1
+        return slot, last
+
+    def add_one(self, tier: int, pos: int) -> None:
+        n = self.n[tier]
+        self.pos_of[tier].ensure(n + 1)
+        self.pos_of[tier].t[n] = pos
+        self.tier_of.t[pos] = tier
+        self.slot_of.t[pos] = n
+        self.n[tier] = n + 1
+        self.counts[tier][int(pos >= self.prompt_len)] += 1
+
+    def release_one(self, pos: int) -> None:
+        self.tier_of.t[pos] = R
+        self.counts[R][int(pos >= self.prompt_len)] += 1
 
     def nbytes(self) -> int:
         return self.tier_of.nbytes() + self.slot_of.nbytes() + sum(g.nbytes() for g in self.pos_of.values())
