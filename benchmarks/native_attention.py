@@ -1,0 +1,182 @@
+"""Decode attention of one layer for a batch: native kernel vs PyTorch's fused path vs full SDPA.
+
+Synthetic BF16 K/V in qwen2.5-coder-0.5b's attention shape (2 kv / 14 query heads, head_dim 64),
+``--batch`` sequences of ``--context`` tokens each, tiers drawn per token from an (H, L, R) mix
+outside the recent window. Per setting, medians of interleaved runs of
+
+* ``native``: :func:`pask.kv.native_attention.decode_layer` (one call for the batch);
+* ``torch_fused``: PyTorch's fused path per sequence (flash for H, int4 GEMMs for INT4);
+* ``sdpa_full``: ``scaled_dot_product_attention`` over all tokens in BF16 (what Full KV runs
+  with transformers' SDPA).
+
+Also the INT4 move of one token per layer group per sequence (the decode-step action), native
+vs the PyTorch path. Writes ``benchmarks/results/native_attention.{json,md}``::
+
+    python benchmarks/native_attention.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from pask.kv import Action, CacheConfig, TieredCache, fastpath
+from pask.kv import native_attention as na
+
+OUT = Path(__file__).parent / "results" / "native_attention"
+HKV, GRP, D = 2, 7, 64
+MIXES = {"all H": (1.0, 0.0, 0.0), "H/L/R thirds": (0.34, 0.33, 0.33), "mostly INT4": (0.05, 0.9, 0.05)}
+
+
+def _config(layers: int = 1) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=HKV * GRP * D,
+        num_attention_heads=HKV * GRP,
+        num_key_value_heads=HKV,
+        head_dim=D,
+        num_hidden_layers=layers,
+        intermediate_size=8,
+        vocab_size=8,
+    )
+
+
+def _median_ms(fns: dict, repeats: int) -> dict[str, float]:
+    times = {k: [] for k in fns}
+    for f in fns.values():
+        f()
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+
+
+def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    cache = TieredCache(_config(), CacheConfig(num_groups=1), batch)
+    k = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
+    cache.update(k, v, 0)
+    window = cache.config.recent_window
+    for b in range(batch):
+        u = torch.rand(n - window, generator=gen)
+        tier = torch.where(u < mix[0], 0, torch.where(u < mix[0] + mix[1], 1, 2))
+        for a in (Action.L, Action.R):
+            cache.apply(b, 0, torch.nonzero(tier == int(a)).flatten(), a)
+    layer = cache.layers[0]
+    q = torch.randn(batch, HKV * GRP, 1, D, generator=gen).to(torch.bfloat16)
+    fns = {
+        "native": lambda: na.decode_layer(layer, q, D**-0.5),
+        "sdpa_full": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    }
+    if fastpath.available():
+        fns["torch_fused"] = lambda: [fastpath.decode_attention(q[b], layer.seqs[b], D**-0.5) for b in range(batch)]
+    ms = _median_ms(fns, repeats)
+    held, full = cache.budget_bytes()
+    return {
+        "batch": batch,
+        "context": n,
+        "mix": list(mix),
+        "b_measured": round(sum(held) / sum(full), 4),
+        "ms": {k: round(x, 4) for k, x in ms.items()},
+        "native_vs_sdpa": round(ms["sdpa_full"] / ms["native"], 3),
+        "native_vs_torch_fused": round(ms["torch_fused"] / ms["native"], 3) if "torch_fused" in ms else None,
+    }
+
+
+def move_case(batch: int, n: int, steps: int) -> dict:
+    """One token leaving the window per sequence and layer group (4 groups, 24 layers) per step."""
+    out = {}
+    for native in (False, True):
+        cache = TieredCache(_config(24), CacheConfig(native=native), batch)
+        k = torch.randn(batch, HKV, n, D).to(torch.bfloat16)
+        for layer in range(24):
+            cache.update(k, k, layer)
+        for b in range(batch):
+            for g in range(4):
+                cache.apply(b, g, torch.arange(0, n // 2), Action.L)
+        t = time.perf_counter()
+        for p in range(n // 2, n // 2 + steps):
+            for b in range(batch):
+                for g in range(4):
+                    cache.apply(b, g, p, Action.L)
+        out["native" if native else "torch"] = round((time.perf_counter() - t) / steps * 1e3, 3)
+    out["speedup"] = round(out["torch"] / out["native"], 2)
+    return {"batch": batch, "context": n, "steps": steps, "ms_per_step": out}
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        "# Native decode attention: one layer, a batch of sequences, one query token each",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+        f"Synthetic BF16 K/V, {HKV} kv / {HKV * GRP} query heads, head_dim {D} (qwen2.5-coder-0.5b); "
+        f"torch {r['torch']}, {r['threads']} thread(s), medians of {r['repeats']} interleaved runs. "
+        f"Kernel: {r['native_status']}.",
+        "",
+        "| batch | context | mix (H/L/R) | B | SDPA full ms | PyTorch fused ms | native ms | native vs SDPA | "
+        "native vs PyTorch fused |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in r["attention"]:
+        m = c["ms"]
+        lines.append(
+            f"| {c['batch']} | {c['context']} | {'/'.join(f'{x:g}' for x in c['mix'])} | {c['b_measured']:.3f} | "
+            f"{m['sdpa_full']:.3f} | {m.get('torch_fused', float('nan')):.3f} | {m['native']:.3f} | "
+            f"{c['native_vs_sdpa']:.2f}x | {c['native_vs_torch_fused'] or float('nan'):.2f}x |"
+        )
+    mv = r["move"]
+    lines += [
+        "",
+        f"INT4 move of the token leaving the window, {mv['batch']} sequences x 4 layer groups (24 layers), per "
+        f"decode step: PyTorch path {mv['ms_per_step']['torch']:.2f} ms, native {mv['ms_per_step']['native']:.2f} ms "
+        f"({mv['ms_per_step']['speedup']:.1f}x; bit-exact, tests/test_native_attention.py).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    if not na.available():
+        print(f"native kernel {na.status()}", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    result = {
+        "command": "python benchmarks/native_attention.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "native_status": na.status(),
+        "attention": [],
+    }
+    with torch.no_grad():
+        for n in args.contexts:
+            for mix in MIXES.values():
+                result["attention"].append(attention_case(args.batch, n, mix, args.repeats))
+                print(json.dumps(result["attention"][-1]), flush=True)
+        result["move"] = move_case(args.batch, 2048, 100)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
