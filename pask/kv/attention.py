@@ -19,7 +19,10 @@ extend masks causally among its own new tokens, which sit at the tail of the H t
 Decode math (per sequence): ``q [Hq, D]`` is viewed as ``[Hkv, Hq/Hkv, D]`` (GQA without repeating
 K/V); the H tier and the INT4 tier (dequantised ``dequant_block`` tokens at a time) are merged
 with one FP32 online softmax (running max, running sum, running output). The scale is
-``module.scaling``.
+``module.scaling``. Which code computes it, in order of preference (``CacheConfig.fast_path`` /
+``native``): the native kernel (:mod:`pask.kv.native_attention`: one call per layer for the whole
+batch, bf16 on CPU), PyTorch's fused CPU kernels per sequence (:mod:`pask.kv.fastpath`), the
+reference below (any dtype; what the fp32 exactness tests run).
 
 Statistics: when the cache has a :class:`pask.kv.stats.StatsCollector` (a policy asked for
 attention statistics), the prefill also records them after SDPA, and a decode step that needs them
