@@ -422,7 +422,8 @@ def test_bench_serve_smoke(smol, tmp_path):
         assert r["requests"] == 2 and r["errors_5xx"] == r["errors_other"] == 0
         assert 250 <= r["prompt_tokens_mean"] <= 700 and r["completion_tokens"] > 0
         assert 0 < r["prefill_s"] < r["wall_s"] and r["decode_tps"] > r["throughput_tps"] > 0
-    assert full["decode_throughput_gain"] == 1.0
+        assert 0 < r["step_ms"] <= r["tpot_ms"]  # TPOT also holds the stalls for the other request's prefill
+    assert full["decode_throughput_gain"] == 1.0 and full["step_speedup"] == 1.0
     assert snap["b_avg"] == pytest.approx(0.4, abs=0.05) and snap["peak_kv_ratio"] < 0.6
     assert 1.0 < snap["bandwidth_limit"] < 1.2
     js, md = write(result, tmp_path / "serving")

@@ -7,15 +7,17 @@ process; ``concurrency`` client threads send chat-completion requests in a close
 tool calls until the prompt reaches ``input_len`` tokens; ``tool_choice`` is ``required`` and
 ``max_tokens`` is ``output_len``.
 
-Reported per policy (paper Tables 13/14 layout): measured B, TPOT (server-side, per request),
-throughput (generated tokens per second of wall time), peak KV bytes held, each relative to Full
-KV in the same run, and the bandwidth-model limit of the TPOT speed-up: the bytes one decode step
-reads, ``weights + c x context x KV bytes per token x B``, Full over the policy, at the mean
-decode context ``input_len + output_len / 2``. With a fixed ``capacity_tokens`` (Table 3 setting)
-the peak number of concurrent requests shows the admission effect. Prefills run one at a time in
-the scheduler's thread, so the wall time splits into summed prefill time and the rest; the
-decode throughput (generated tokens per second outside prefills) is where admitting more
-requests pays, and it is reported next to the end-to-end throughput.
+Reported per policy (paper Tables 13/14 layout): measured B, TPOT (server-side, per request, as a
+user sees it: it includes the stalls while other requests are prefilled), the decode-step time
+(mean wall time of the batched decode forwards, with the policy's decisions, that a request took
+part in: what the bandwidth model describes), throughput (generated tokens per second of wall
+time), peak KV bytes held, each relative to Full KV in the same run, and the bandwidth-model limit
+of the speed-up: the bytes one decode step reads, ``weights + c x context x KV bytes per token x
+B``, Full over the policy, at the mean decode context ``input_len + output_len / 2``. With a fixed
+``capacity_tokens`` (Table 3 setting) the peak number of concurrent requests shows the admission
+effect. Prefills run one at a time in the scheduler's thread, so the wall time splits into summed
+prefill time and the rest; the decode throughput (generated tokens per second outside prefills) is
+where admitting more requests pays, and it is reported next to the end-to-end throughput.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class PolicyResult:
     prompt_tokens_mean: float = 0.0
     completion_tokens: int = 0
     wall_s: float = 0.0
-    tpot_ms: float = 0.0  # mean per-request TPOT (server side)
+    tpot_ms: float = 0.0  # mean per-request TPOT (server side; includes stalls for other requests' prefills)
+    step_ms: float = 0.0  # mean per-request decode-step time (batched forward + policy; no prefills)
     throughput_tps: float = 0.0  # generated tokens per second of wall time
     prefill_s: float = 0.0  # summed prefill time (prefills run one at a time in the scheduler's thread)
     decode_tps: float = 0.0  # generated tokens per second of wall time outside prefills
@@ -323,6 +326,7 @@ def run_policy(
         res.completion_tokens = sum(o["usage"]["completion_tokens"] for o in outs)
         res.prompt_tokens_mean = sum(o["usage"]["prompt_tokens"] for o in outs) / len(outs)
         res.tpot_ms = sum(o["pask"]["tpot_ms"] for o in outs) / len(outs)
+        res.step_ms = sum(o["pask"].get("step_ms", 0.0) for o in outs) / len(outs)
         res.throughput_tps = res.completion_tokens / res.wall_s if res.wall_s else 0.0
         res.prefill_s = sum(o["pask"].get("prefill_ms", 0.0) for o in outs) / 1e3
         decode_wall = res.wall_s - res.prefill_s
@@ -370,12 +374,15 @@ def bench_serve(
         b = r.b_avg if r.b_avg is not None else 1.0
         limit = bandwidth_limit(weights, per_token, context, cfg.concurrency, b)
         speedup = ref.tpot_ms / r.tpot_ms if ref and r.tpot_ms else None
+        step = ref.step_ms / r.step_ms if ref and r.step_ms else None
         rows.append(
             {
                 **asdict(r),
                 "tpot_speedup": speedup,
+                "step_speedup": step,
                 "bandwidth_limit": limit,
                 "share_of_limit": (speedup - 1) / (limit - 1) if speedup and limit > 1 + 1e-9 else None,
+                "step_share_of_limit": (step - 1) / (limit - 1) if step and limit > 1 + 1e-9 else None,
                 "throughput_gain": r.throughput_tps / ref.throughput_tps if ref and ref.throughput_tps else None,
                 "decode_throughput_gain": r.decode_tps / ref.decode_tps if ref and ref.decode_tps else None,
                 "peak_kv_ratio": r.peak_kv_bytes / ref.peak_kv_bytes if ref and ref.peak_kv_bytes else None,
@@ -399,9 +406,9 @@ def markdown(result: dict) -> str:
     head = (
         f"Serving, {result['model']}, c = {cfg['concurrency']}, input {cfg['input_len']}, output {cfg['output_len']}, "
         f"KV capacity {cap} tokens\n\n"
-        "| policy | B (avg) | TPOT ms | TPOT speed-up | bandwidth limit | throughput tok/s | x Full | "
-        "prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| policy | B (avg) | TPOT ms | TPOT speed-up | step ms | step speed-up | bandwidth limit | throughput tok/s "
+        "| x Full | prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
 
     def f(x, fmt: str) -> str:
@@ -417,6 +424,8 @@ def markdown(result: dict) -> str:
             f(r["b_avg"], ".3f"),
             f(r["tpot_ms"], ".1f"),
             fx(r["tpot_speedup"]),
+            f(r.get("step_ms"), ".1f"),
+            fx(r.get("step_speedup")),
             fx(r["bandwidth_limit"]),
             f(r["throughput_tps"], ".2f"),
             fx(r["throughput_gain"]),

@@ -74,6 +74,13 @@ class Job:
     t_first: float = 0.0  # first token chosen
     t_finish: float = 0.0
     prefill_ms: float = 0.0
+    decode_ms: float = 0.0  # wall time of the batched decode steps this job took part in
+    decode_steps: int = 0
+
+    @property
+    def step_ms(self) -> float:
+        """Mean decode-step time of this job's steps (forward + policy; no prefills, no sampling)."""
+        return self.decode_ms / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def finished(self) -> bool:
@@ -251,6 +258,7 @@ class Scheduler:
     # -- decode ---------------------------------------------------------------------------------
     def _decode(self) -> None:
         """One forward over the running rows; then each policy decides its leaving tokens."""
+        t0 = time.perf_counter()
         cache, jobs = self.cache, self.running
         for job in jobs:
             job.history.append(job.generated[-1])
@@ -274,6 +282,10 @@ class Scheduler:
             job.samples.append(row_budget(cache, job.row)["b_total"])
             job.logits = out.logits[i, -1]
         self._track_peak()
+        dt = (time.perf_counter() - t0) * 1e3
+        for job in jobs:
+            job.decode_ms += dt
+            job.decode_steps += 1
 
     def _track_peak(self) -> None:
         self.peak_held_bytes = max(self.peak_held_bytes, self.cache.held_bytes())

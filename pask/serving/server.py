@@ -135,6 +135,7 @@ def create_app(service: Service) -> FastAPI:
             "stop_reason": job.stop,
             "budget": job.budget,
             "tpot_ms": round(job.tpot_ms, 3),
+            "step_ms": round(job.step_ms, 3),
             "prefill_ms": round(job.prefill_ms, 3),
         }
         return completion_body(chat, name, job.result.text, job.stop, len(job.generated), extra)
