@@ -205,6 +205,30 @@ def test_whitespace_bytes_and_odd_input():
     assert SqlTagger({}).step("SELECT *") in ALL_TAGS
 
 
+def test_second_whitespace_token_keeps_the_lookahead():
+    """Regression (found by the random-chunk property test): after ``,`` + space, a second
+    whitespace-only token re-tokenises an empty tail; the committed state still expects a column."""
+    pieces = ["SELECT Age ,", " ", " ", "Name"]
+    t, full = SqlTagger(SCHEMA), SqlTagger(SCHEMA, incremental=False)
+    inc = [t.step(p) for p in pieces]
+    ref = [full.step(p) for p in pieces]
+    assert inc == ref
+    assert inc[2].next == Next.LOOKAHEAD_CRITICAL
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["/", "*=SELECT co", "unt(x) FROM players"],  # a comment opened across two tokens stays open
+        ["SELECT a FROM t WHERE b = 1 OR c ", "/*", " ", "201", "6"],
+        ["SELECT avg(Age) FROM S", "HO", "W,"],  # SHOW mid-statement is a word, not a command
+    ],
+)
+def test_incremental_equals_full_on_split_comments_and_command_words(pieces):
+    t, full = SqlTagger(SCHEMA), SqlTagger(SCHEMA, incremental=False)
+    assert [t.step(p) for p in pieces] == [full.step(p) for p in pieces]
+
+
 def test_tokenizer_failure_degrades(monkeypatch):
     t = SqlTagger(SCHEMA)
     t.step("SELECT")

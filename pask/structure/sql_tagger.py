@@ -166,7 +166,9 @@ class SqlTagger:
             return self._space_step(b)
         toks = self._tokenize(self._safe)
         n = len(toks)
-        ncommit = self._final_count(toks, b)
+        # inside an unterminated quote or comment nothing is final: its end may still turn what
+        # follows into text ("/*" then "x" is a comment, not an identifier)
+        ncommit = self._final_count(toks, b) if self._closed else 0
         if a == b and a > self._safe:  # part of a character: it belongs to what the text ends in
             a -= 1
         state = self._state
@@ -183,7 +185,7 @@ class SqlTagger:
             committed = state
         la = self._lookahead(state, toks[-1] if toks else None)
         self._state = committed
-        self._safe = toks[ncommit].start if ncommit < n else b
+        self._safe = toks[ncommit].start if ncommit < n else (b if self._closed else self._safe)
         self._tail = (toks[-1], state) if n > 0 and self._closed else None
         if cls < 0:  # only whitespace / comment
             return _TAGS[(_SCAF, state.stack[-1][0], _STABLE, la)]
@@ -217,11 +219,14 @@ class SqlTagger:
         tail = self._text[start:]
         closer = _closer(tail) if _OPENERS.search(tail) else ""
         self._closed = not closer
-        toks = self._tok.tokenize(tail + closer)
+        # a tail that starts mid-statement must not be read as a statement's start: sqlglot turns
+        # a leading command word (SHOW, EXECUTE, ...) and the rest of the text into one token
+        lead = "SELECT " if start > 0 and self._state.prev != T.SEMICOLON else ""
+        toks = self._tok.tokenize(lead + tail + closer)[1 if lead else 0 :]
         end = len(tail) - 1
         for t in toks:
-            t.start += start
-            t.end = min(t.end, end) + start
+            t.start += start - len(lead)
+            t.end = min(t.end - len(lead), end) + start
         return [t for t in toks if t.start - start <= end]
 
     def _resolves(self, name: str, state: _Clauses) -> bool:
@@ -312,9 +317,9 @@ class SqlTagger:
         return name in self._prefixes or any(a.startswith(name) and a != name for a in s.aliases)
 
     def _lookahead(self, s: _Clauses, last: Token | None) -> bool:
-        if last is None:
-            return False
-        if last.end == len(self._text) - 1 and self._grows(last, s):
+        """``last``: the text's last sql token, None when the re-tokenised tail holds none (only
+        whitespace or a comment after committed tokens): the committed state still decides."""
+        if last is not None and last.end == len(self._text) - 1 and self._grows(last, s):
             return True
         tt = s.prev
         if tt in _LA_AFTER:
