@@ -25,43 +25,20 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
 
 from pask.kv import Action, CacheConfig, TieredCache, fastpath
 from pask.kv import native_attention as na
+from pask.kv.bench import median_ms
+from pask.kv.cache import attention_config
 
 OUT = Path(__file__).parent / "results" / "native_attention"
 HKV, GRP, D = 2, 7, 64
 MIXES = {"all H": (1.0, 0.0, 0.0), "H/L/R thirds": (0.34, 0.33, 0.33), "mostly INT4": (0.05, 0.9, 0.05)}
 
 
-def _config(layers: int = 1) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=HKV * GRP * D,
-        num_attention_heads=HKV * GRP,
-        num_key_value_heads=HKV,
-        head_dim=D,
-        num_hidden_layers=layers,
-        intermediate_size=8,
-        vocab_size=8,
-    )
-
-
-def _median_ms(fns: dict, repeats: int) -> dict[str, float]:
-    times = {k: [] for k in fns}
-    for f in fns.values():
-        f()
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
-    return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
-
-
 def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
-    cache = TieredCache(_config(), CacheConfig(num_groups=1), batch)
+    cache = TieredCache(attention_config(HKV, GRP, D), CacheConfig(num_groups=1), batch)
     k = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
     v = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
     cache.update(k, v, 0)
@@ -79,7 +56,7 @@ def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats:
     }
     if fastpath.available():
         fns["torch_fused"] = lambda: [fastpath.decode_attention(q[b], layer.seqs[b], D**-0.5) for b in range(batch)]
-    ms = _median_ms(fns, repeats)
+    ms = median_ms(fns, repeats)
     held, full = cache.budget_bytes()
     return {
         "batch": batch,
@@ -96,7 +73,7 @@ def move_case(batch: int, n: int, steps: int) -> dict:
     """One token leaving the window per sequence and layer group (4 groups, 24 layers) per step."""
     out = {}
     for native in (False, True):
-        cache = TieredCache(_config(24), CacheConfig(native=native), batch)
+        cache = TieredCache(attention_config(HKV, GRP, D, layers=24), CacheConfig(native=native), batch)
         k = torch.randn(batch, HKV, n, D).to(torch.bfloat16)
         for layer in range(24):
             cache.update(k, k, layer)

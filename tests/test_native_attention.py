@@ -8,30 +8,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig
 
 from pask.kv import Action, CacheConfig, TieredCache
 from pask.kv import native_attention as na
 from pask.kv.attention import tiered_attention_reference
-
-
-def _config(hkv: int, grp: int, d: int) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=hkv * grp * d,
-        num_attention_heads=hkv * grp,
-        num_key_value_heads=hkv,
-        head_dim=d,
-        num_hidden_layers=1,
-        intermediate_size=8,
-        vocab_size=8,
-    )
+from pask.kv.cache import attention_config
 
 
 def _layer(hkv, grp, d, lengths, mixes, seed=0, key_scale=1.0, window=4):
     """A one-layer bf16 cache with one row per length, tiers drawn from each row's (H, L, R) mix."""
     gen = torch.Generator().manual_seed(seed)
     n = max(lengths)
-    cache = TieredCache(_config(hkv, grp, d), CacheConfig(num_groups=1, recent_window=window), len(lengths))
+    cache = TieredCache(attention_config(hkv, grp, d), CacheConfig(num_groups=1, recent_window=window), len(lengths))
     cache.begin_prefill([n - x for x in lengths])
     k = (torch.randn(len(lengths), hkv, n, d, generator=gen) * key_scale).to(torch.bfloat16)
     v = torch.randn(len(lengths), hkv, n, d, generator=gen).to(torch.bfloat16)
@@ -209,7 +197,8 @@ def test_single_token_int4_move_is_bit_exact_with_the_python_path(native, seed, 
     acts = [Action.L if i % 3 else Action.R for i in range(len(order))]
     stores = []
     for use_native in (True, False):
-        cache = TieredCache(_config(2, 3, d), CacheConfig(num_groups=1, recent_window=window, native=use_native), 1)
+        cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native)
+        cache = TieredCache(attention_config(2, 3, d), cfg, 1)
         cache.update(k, v, 0)
         cache.apply(0, 0, torch.tensor(order[:10]), Action.L)  # the prefill-time batch fixes the key balance
         for p, a in zip(order[10:], acts[10:], strict=True):

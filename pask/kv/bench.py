@@ -31,7 +31,7 @@ from pask.kv.cache import CacheConfig, TieredCache, attention_spec
 from pask.policies.static_mix import StaticMixPolicy
 
 
-def _median_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def median_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Median wall time of each function, calls interleaved round-robin (same conditions for all)."""
     for f in fns.values():  # warm up
         f()
@@ -118,7 +118,7 @@ def bench_context(
         fns["torch_fused"] = lambda: fastpath.decode_attention(q[0], st, scale)
         fns["h_stream"] = lambda: flash(qg[None], hk, hv, 0.0, False, scale=scale)
         fns["int4_stream"] = lambda: fastpath.int4_stream(qg, st, scale)
-    ms = _median_ms(fns, repeats)
+    ms = median_ms(fns, repeats)
     mixed_out = fns["mixed"]().float()
     out["attention_ms"] = {k: round(v, 4) for k, v in ms.items()}
     out["attention_speedup"] = ms["full_sdpa"] / ms["mixed"]
@@ -160,7 +160,7 @@ def _model_step(model, cache: TieredCache, kv, n: int, repeats: int) -> dict[str
             "full_tiered": lambda: step(full, "pask"),
             "tiered": lambda: step(cache, "pask"),
         }
-        ms = _median_ms(fns, repeats)
+        ms = median_ms(fns, repeats)
     finally:
         model.set_attn_implementation(prev)
     return {k: round(v, 2) for k, v in ms.items()}

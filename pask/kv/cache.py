@@ -107,6 +107,22 @@ def attention_spec(model_config, quant_group: int = 32) -> AttentionSpec:
     return AttentionSpec(int(cfg.num_hidden_layers), n_q, n_kv, int(head_dim))
 
 
+def attention_config(kv_heads: int, rows: int, head_dim: int, layers: int = 1):
+    """A minimal Llama config with this attention layout (``rows`` query heads per kv head), for
+    caches built without a model: the native kernel's probe, tests and benchmarks."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=kv_heads * rows * head_dim,
+        num_attention_heads=kv_heads * rows,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        num_hidden_layers=layers,
+        intermediate_size=8,
+        vocab_size=8,
+    )
+
+
 def layer_groups(num_layers: int, num_groups: int = 4) -> list[range]:
     """Split ``num_layers`` into ``num_groups`` contiguous, near-equal groups (earlier groups one larger)."""
     if not 1 <= num_groups <= num_layers:
@@ -319,27 +335,18 @@ class TieredCache(Cache):
         if pos.numel() == 1:  # a decode step's token leaving the window: the scalar path
             return self._apply_one(seq, group, ix, int(pos[0]), action)
         if int(pos.min()) < 0 or int(pos.max()) >= ix.length:
-            bad = pos[(pos < 0) | (pos >= ix.length)][:5].tolist()
-            raise UnknownPositionError(f"sequence {seq} has {ix.length} tokens: positions {bad} are unknown")
+            raise self._unknown(seq, ix, pos[(pos < 0) | (pos >= ix.length)][:5].tolist())
         if torch.unique(pos).numel() != pos.numel():
             raise UnknownPositionError(f"duplicate positions in one action for sequence {seq}")
         limit = ix.length - self.config.recent_window
         if int(pos.max()) >= limit:
-            bad = pos[pos >= limit][:5].tolist()
-            raise ProtectedTokenError(
-                f"positions {bad} of sequence {seq} are inside the protected recent window "
-                f"(last {self.config.recent_window} of {ix.length} tokens stay H)"
-            )
+            raise self._protected(seq, ix, pos[pos >= limit][:5].tolist())
         tiers = ix.tier_of.t[pos].long()
         if bool((tiers == R).any()):
-            bad = pos[tiers == R][:5].tolist()
-            raise AlreadyReleasedError(f"positions {bad} of sequence {seq}, group {group} were already released")
+            raise self._released(seq, group, pos[tiers == R][:5].tolist())
         if action == Action.H:
             if bool((tiers == L).any()):
-                bad = pos[tiers == L][:5].tolist()
-                raise IrreversibleActionError(
-                    f"positions {bad} of sequence {seq}, group {group} are INT4: INT4 cannot go back to H"
-                )
+                raise self._irreversible(seq, group, pos[tiers == L][:5].tolist())
             return
         layers = [self.layers[i] for i in self.groups[group]]
         from_h = pos[tiers == H]
@@ -351,23 +358,40 @@ class TieredCache(Cache):
                     self._remove(seq, ix, layers, tier, sel)
                     ix.release(sel)
 
+    # the errors of apply (one text for the batch and the one-position path)
+    @staticmethod
+    def _unknown(seq: int, ix: _GroupIndex, bad: list[int]) -> UnknownPositionError:
+        return UnknownPositionError(f"sequence {seq} has {ix.length} tokens: positions {bad} are unknown")
+
+    def _protected(self, seq: int, ix: _GroupIndex, bad: list[int]) -> ProtectedTokenError:
+        w = self.config.recent_window
+        return ProtectedTokenError(
+            f"positions {bad} of sequence {seq} are inside the protected recent window "
+            f"(last {w} of {ix.length} tokens stay H)"
+        )
+
+    @staticmethod
+    def _released(seq: int, group: int, bad: list[int]) -> AlreadyReleasedError:
+        return AlreadyReleasedError(f"positions {bad} of sequence {seq}, group {group} were already released")
+
+    @staticmethod
+    def _irreversible(seq: int, group: int, bad: list[int]) -> IrreversibleActionError:
+        return IrreversibleActionError(
+            f"positions {bad} of sequence {seq}, group {group} are INT4: INT4 cannot go back to H"
+        )
+
     def _apply_one(self, seq: int, group: int, ix: _GroupIndex, p: int, action: Action) -> None:
         """:meth:`apply` for one position, with the same checks and errors."""
         if p < 0 or p >= ix.length:
-            raise UnknownPositionError(f"sequence {seq} has {ix.length} tokens: positions {[p]} are unknown")
+            raise self._unknown(seq, ix, [p])
         if p >= ix.length - self.config.recent_window:
-            raise ProtectedTokenError(
-                f"positions {[p]} of sequence {seq} are inside the protected recent window "
-                f"(last {self.config.recent_window} of {ix.length} tokens stay H)"
-            )
+            raise self._protected(seq, ix, [p])
         tier = int(ix.tier_of.t[p])
         if tier == R:
-            raise AlreadyReleasedError(f"positions {[p]} of sequence {seq}, group {group} were already released")
+            raise self._released(seq, group, [p])
         if action == Action.H:
             if tier == L:
-                raise IrreversibleActionError(
-                    f"positions {[p]} of sequence {seq}, group {group} are INT4: INT4 cannot go back to H"
-                )
+                raise self._irreversible(seq, group, [p])
             return
         if action == Action.L and tier == L:
             return

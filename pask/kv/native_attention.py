@@ -108,23 +108,13 @@ def _probe() -> str:
         _LIB = _load()
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"unavailable: {e}"
-    from transformers import LlamaConfig
-
     from pask.kv.actions import Action
     from pask.kv.attention import tiered_attention_reference
-    from pask.kv.cache import CacheConfig, TieredCache
+    from pask.kv.cache import CacheConfig, TieredCache, attention_config
 
     gen = torch.Generator().manual_seed(0)
     for hkv, grp, d, n in ((2, 7, 64, 200), (1, 3, 128, 70)):
-        cfg = LlamaConfig(
-            hidden_size=hkv * grp * d,
-            num_attention_heads=hkv * grp,
-            num_key_value_heads=hkv,
-            head_dim=d,
-            num_hidden_layers=1,
-            intermediate_size=8,
-            vocab_size=8,
-        )
+        cfg = attention_config(hkv, grp, d)
         cache = TieredCache(cfg, CacheConfig(num_groups=1, recent_window=2), 1)
         k = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
         v = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
