@@ -1,13 +1,14 @@
-"""INT4 key quantisation with and without per-channel key balancing: attention-output error per layer.
+"""Low-bit KV: INT4 keys with and without per-channel balancing, and the INT2 tier: attention-output error.
 
     .venv/bin/python benchmarks/key_balance.py [--cases 4] [--tokens 24] [--threads 2]
 
 Real BFCL dev prompts on qwen2.5-coder-0.5b (bf16). Each case is decoded once with Full KV on the
 tiered cache (every token H); its generated tokens are then replayed (teacher forcing) with every
-token outside the recent window moved to INT4, once with plain per-token INT4 keys and once
-with the per-channel key balance (``CacheConfig.key_balance``). For each decode step and layer the
-relative L2 error of the attention output (input of ``o_proj``) against the all-H replay is
-averaged. Writes ``benchmarks/results/key_balance.{json,md}``.
+token outside the recent window moved to the L tier: INT4 with plain per-token keys, INT4 with
+the per-channel key balance (``CacheConfig.key_balance``), and INT2 with the balance (the tier
+KIVI-2 uses: ``CacheConfig.low_bits = 2``). For each decode step and layer the relative L2 error of
+the attention output (input of ``o_proj``) against the all-H replay is averaged. Writes
+``benchmarks/results/key_balance.{json,md}``.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def main() -> None:
     all_l = get_policy("static_mix", h=0.0, l=1.0, r=0.0)
     ref = forced_capture(lm.model, prompts, forced, get_policy("full"), no_tags, labels, CacheConfig())
     rows = {}
-    for name, balanced in (("per-token INT4 keys", False), ("balanced INT4 keys", True)):
+    variants = (("per-token INT4 keys", False, 4), ("balanced INT4 keys", True, 4), ("balanced INT2 (KIVI-2)", True, 2))
+    for name, balanced, bits in variants:
         acc = DistortionSum(lm.num_layers)
-        cfg = CacheConfig(key_balance=balanced)
+        cfg = CacheConfig(key_balance=balanced, low_bits=bits)
         for p, f in zip(forced_capture(lm.model, prompts, forced, all_l, no_tags, labels, cfg), ref, strict=True):
             acc.add(p, f)
         rows[name] = (acc.err / max(acc.steps, 1)).tolist()
@@ -62,12 +64,13 @@ def main() -> None:
     (OUT / "key_balance.json").write_text(json.dumps(result, indent=2) + "\n")
     names = list(rows)
     lines = [
-        f"# INT4 keys: per-token vs per-channel-balanced quantisation ({lm.name}, bf16)",
+        f"# Low-bit KV: INT4 keys per token vs per-channel balanced, and INT2 ({lm.name}, bf16)",
         "",
         f"Command: `{command}`  ",
         f"{len(cases)} BFCL dev cases ({', '.join(c.id for c in cases)}); every token outside the recent "
-        f"window in INT4 (values per token in both rows), {args.tokens} generated tokens replayed. Relative L2 "
-        "error of each layer's attention output against the all-BF16 replay, mean over decode steps.",
+        f"window in the L tier (INT4, or INT2 in the last column; values per token in every column), {args.tokens} "
+        "generated tokens replayed. Relative L2 error of each layer's attention output against the all-BF16 "
+        "replay, mean over decode steps.",
         "",
         "| layer | " + " | ".join(names) + " |",
         "|---:|" + "---:|" * len(names),

@@ -45,6 +45,7 @@ METHODS = {
     "criticalkv": "CriticalKV",
     "lazyeviction": "LazyEviction",
     "kivi-4": "KIVI-4",
+    "kivi-2": "KIVI-2",
     "kivi": "KIVI-4",
     "static_mix": "Static mix",
 }
@@ -61,6 +62,7 @@ COLORS = {
     "criticalkv": "tab:brown",
     "lazyeviction": "tab:pink",
     "kivi-4": "tab:olive",
+    "kivi-2": "goldenrod",
     "kivi": "tab:olive",
     "static_mix": "tab:cyan",
 }

@@ -120,7 +120,7 @@ def test_mix_third_bytes_match_cost_model_and_memory_drops(dtype):
     held = cache.held_bytes()
     assert held / full == pytest.approx(predicted, rel=0.02)
     if dtype == torch.bfloat16:
-        assert cm.int4_ratio == pytest.approx(0.3125)
+        assert cm.l_ratio == pytest.approx(0.3125)
     # the storage really shrank: bytes of the tensors the cache owns, not a counter
     alloc_after = cache.allocated_bytes()
     assert alloc_after < 0.6 * alloc_before
@@ -141,7 +141,7 @@ def test_int4_tier_holds_quantised_original_tokens():
         st = cache.layers[li].seqs[0]
         where = cache.layers[li].positions(0, Action.L)
         assert sorted(where.tolist()) == pos.tolist()
-        k, v = st.int4_kv()  # bf16 scale/zero: ~ 1/15 of (group range + bf16 ulp of values ~100-400)
+        k, v = st.low_kv()  # bf16 scale/zero: ~ 1/15 of (group range + bf16 ulp of values ~100-400)
         assert torch.allclose(k, kv_at(where.long(), li), atol=0.1)
         assert torch.allclose(v, kv_at(where.long(), li) + 1, atol=0.1)
         # H tier stays exact and consistent with its positions
@@ -184,7 +184,7 @@ def test_random_actions_keep_slots_consistent(ops):
             lp = cache.layers[li].positions(0, Action.L).long()
             assert sorted(lp.tolist()) == torch.nonzero(state[g] == 1).flatten().tolist()
             if lp.numel():
-                k, v = st_.int4_kv()
+                k, v = st_.low_kv()
                 assert torch.allclose(k, kv_at(lp, li), atol=0.1)
                 assert torch.allclose(v, kv_at(lp, li) + 1, atol=0.1)
 
@@ -301,7 +301,7 @@ def test_key_balance_tames_outlier_channels_and_is_counted():
         cache.update(k[None].to(torch.bfloat16), v[None].to(torch.bfloat16), 0)
         cache.apply(0, 0, torch.arange(200), Action.L)
         st = cache.layers[0].seqs[0]
-        kd, _ = st.int4_kv()
+        kd, _ = st.low_kv()
         errs[balanced] = float((kd - k).norm() / (k - k.mean(1, keepdim=True)).norm())
         assert (cache.held_bytes() - st.l.live_bytes()) == (2 * 2 * 64 * 4 if balanced else 0)
     assert errs[True] < errs[False] / 3, errs

@@ -1,4 +1,4 @@
-"""INT4 packing: layout, bytes, round-trip error bound."""
+"""INT4 and INT2 packing: layout, bytes, round-trip error bound, bad widths."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ from hypothesis import strategies as st
 
 from pask.errors import PaskError
 from pask.kv.quant import (
+    dequantize_codes,
     dequantize_int4,
     int4_bytes_per_vector,
+    lowbit_bytes_per_vector,
     pack_nibbles,
+    pack_quads,
+    quantize_codes,
     quantize_int4,
     unpack_nibbles,
+    unpack_quads,
 )
 
 
@@ -64,3 +69,45 @@ def test_roundtrip_error_bounded_per_group(shape, rows, spread, offset, seed):
     scale, zero = q.scale.float(), q.zero.float()
     eps = 1e-6 * (zero.abs() + 15 * scale) + 1e-12
     assert bool((err <= (scale / 2 + eps)[..., None]).all()), float((err - scale[..., None] / 2).max())
+
+
+# -- INT2 ----------------------------------------------------------------------------------------
+def test_int2_bytes_and_quad_layout():
+    assert lowbit_bytes_per_vector(64, 32, 2) == 24  # 16 code bytes + 2 groups x (scale, zero) x 2 bytes
+    assert lowbit_bytes_per_vector(64, 32, 4) == int4_bytes_per_vector(64, 32) == 40
+    assert lowbit_bytes_per_vector(64, 32, 2) / (64 * 2) == pytest.approx(0.1875)  # of BF16
+    codes = torch.randint(0, 4, (5, 64), dtype=torch.uint8)
+    packed = pack_quads(codes)
+    assert packed.shape == (5, 16)
+    assert torch.equal((packed[:, 2] >> 4) & 3, codes[:, 10])  # byte j holds codes 4j..4j+3, low bits first
+    assert torch.equal(unpack_quads(packed), codes)
+
+
+@pytest.mark.parametrize("bits", [0, 1, 3, 8])
+def test_bad_code_width_raises(bits):
+    with pytest.raises(PaskError, match="2 or 4 bits"):
+        quantize_codes(torch.zeros(1, 64), bits=bits)
+    with pytest.raises(PaskError, match="2 or 4 bits"):
+        lowbit_bytes_per_vector(64, 32, bits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.sampled_from([(64, 32), (128, 32), (32, 16)]),
+    rows=st.integers(1, 6),
+    spread=st.sampled_from([1e-6, 1e-2, 1.0, 50.0, 3000.0]),
+    offset=st.floats(-100, 100),
+    zero_point=st.sampled_from([0, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_int2_roundtrip_error_bounded_per_group(shape, rows, spread, offset, zero_point, seed):
+    d, g = shape
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, d, generator=gen) * spread + offset
+    codes, scale, zero = quantize_codes(x, g, zero_point, torch.bfloat16, bits=2)
+    assert int(codes.max()) <= 3
+    y = dequantize_codes(unpack_quads(pack_quads(codes)), scale, zero, zero_point=zero_point)
+    err = (x - y).abs().reshape(rows, d // g, g)
+    s, z = scale.float(), zero.float()
+    eps = 1e-6 * (z.abs() + 3 * s) + 1e-12
+    assert bool((err <= (s / 2 + eps)[..., None]).all()), float((err - s[..., None] / 2).max())

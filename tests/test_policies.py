@@ -47,6 +47,7 @@ DEFAULT_CONFIGS = {
     "criticalkv": {"window": 16, "first_stage_ratio": 0.5, "epsilon": 1e-4},
     "lazyeviction": {"window": 16, "alpha": 1e-3},
     "kivi-4": {},
+    "kivi-2": {},
 }
 
 
@@ -69,7 +70,7 @@ class PerRow:
     def __init__(self, policies):
         self.policies = policies
         self.name = policies[0].name
-        for attr in ("prefill_window", "prefill_value_norm", "step_attention", "step_scorer"):
+        for attr in ("prefill_window", "prefill_value_norm", "step_attention", "step_scorer", "low_bits"):
             if hasattr(policies[0], attr):
                 setattr(self, attr, getattr(policies[0], attr))
         self.prev: dict[int, int] = {}
@@ -118,11 +119,16 @@ def test_policy_end_to_end_meets_budget(smol, prompts, name):
         for g in range(len(cache.groups)):
             tiers = cache.tiers(row, g)
             assert bool((tiers[n - cache.config.recent_window :] == H).all())
-            if name in ("mikv", "kivi-4"):
+            if name in ("mikv", "kivi-4", "kivi-2"):
                 assert not bool((tiers == R).any()), "mixed precision above the INT4 cost releases nothing"
                 assert bool((tiers == L).any())
             else:
                 assert not bool((tiers == L).any())
+    bits = 2 if name == "kivi-2" else 4
+    assert cache.config.low_bits == bits
+    st = cache.layers[0].seqs[0]
+    d = cache.spec.head_dim
+    assert st.bits == bits and st.l.slot_bytes() == 2 * cache.spec.num_kv_heads * (d * bits // 8 + 4 * d // 32)
     cache.compact()
     assert cache.allocated_bytes() < cache.full_bytes()
 
@@ -374,6 +380,20 @@ def test_kivi_quantises_everything_outside_the_residual_and_releases_nothing():
     assert seq.where(H) == {38, 39} and seq.where(R) == set()
 
 
+def test_kivi2_sizes_its_residual_by_the_int2_cost_and_asks_for_a_2bit_cache():
+    pol = get_policy("kivi-2", budget=0.25)
+    assert pol.name == "kivi-2" and pol.low_bits == 2 and get_policy("kivi-4", budget=0.4).low_bits == 4
+    seq = FakeSeq(40, window=2, cost=0.1875)  # INT2 over BF16 at D = 64, g = 32
+    seq.apply(pol.prefill_actions(seq.ctx()))
+    residual = round((0.25 - 0.1875) / 0.8125 * 40)  # 3 newest tokens stay H (INT4 could not reach 0.25)
+    assert seq.where(H) == set(range(40 - residual, 40)) and seq.where(R) == set()
+    assert abs(seq.budget() - 0.25) <= 0.02
+    from pask.kv.cache import CacheConfig, config_for
+
+    assert config_for(pol).low_bits == 2 and config_for(pol, CacheConfig(recent_window=4)).recent_window == 4
+    assert config_for(get_policy("snapkv", budget=0.5)).low_bits == 4
+
+
 def test_rocketkv_stage1_max_pool_and_stage2_hsa_topk():
     p = 60
     att = torch.full((p,), 0.01)
@@ -422,12 +442,16 @@ def test_unknown_policy_and_unknown_or_bad_config_keys_are_clear_errors():
     with pytest.raises(PaskError, match="alpha"):
         get_policy("lazyeviction", budget=0.5, alpha=0.0)
     assert get_policy("kivi", budget=0.4).name == "kivi-4"
+    with pytest.raises(PaskError, match=r"bad configuration for policy 'kivi-2'.*bits"):
+        get_policy("kivi-2", budget=0.4, bits=4)
+    with pytest.raises(PaskError, match="bits must be 2 or 4"):
+        KIVIPolicy(budget=0.4, bits=3)
 
 
 def test_stats_requests_of_each_policy():
     """Only what each policy needs is computed (prefill-only policies keep the fused decode path)."""
     req = {name: StatsRequest.of(get_policy(name, budget=0.5)) for name in BASELINES}
-    assert not req["kivi-4"].any and not StatsRequest.of(FullPolicy()).any
+    assert not req["kivi-4"].any and not req["kivi-2"].any and not StatsRequest.of(FullPolicy()).any
     assert req["snapkv"].prefill and not req["snapkv"].step
     assert req["criticalkv"].prefill_value_norm and not req["criticalkv"].step
     assert req["h2o"].step_attention and req["mikv"].step_attention and req["lazyeviction"].step_attention

@@ -160,7 +160,7 @@ def calibrate(
     ]
     default = "H"
     spec = attention_spec(lm.model.config, cache_config.quant_group)
-    l_cost = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype).int4_ratio  # 0.3125 in bf16
+    l_cost = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype).l_ratio  # 0.3125 in bf16
     base_b = plan.window_share + plan.base_share() * cost(default, l_cost)
     # Resolution rule: with n calibration cases V moves in steps of 1/n, so a tolerance finer than one
     # case cannot be measured (any single flip, including bf16 noise, would exceed it). The solver

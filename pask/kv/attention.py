@@ -111,7 +111,7 @@ def tiered_attention_reference(
             state.update(s, vh[:, a:b].float())
     n_l = store.l.n
     for a in range(0, n_l, block):
-        k, v = store.int4_kv(a, min(n_l, a + block))
+        k, v = store.low_kv(a, min(n_l, a + block))
         state.update(torch.matmul(qf, k.transpose(1, 2)) * scaling, v)
     out = state.result().reshape(hkv, grp, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
     return out.to(q.dtype)

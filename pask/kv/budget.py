@@ -1,7 +1,8 @@
 """KV budget: the cost model of the actions and the budget measured on a TieredCache.
 
 Cost model (per token, per layer, relative to keeping it in full precision):
-``H = 1``, ``L = INT4 bytes (codes + fp16 scale/zero) / full-precision bytes``, ``R = 0``.
+``H = 1``, ``L = low-bit bytes (INT4, or INT2 in a 2-bit cache; codes + fp16 scale/zero) /
+full-precision bytes``, ``R = 0``.
 
 Measured budget: ``B = held bytes / bytes of the same tokens all kept H``, split into
 ``B_P`` (prompt tokens), ``B_D`` (generated tokens) and ``B`` (all). "Full precision" is the
@@ -17,37 +18,38 @@ from dataclasses import dataclass, field
 import torch
 
 from pask.kv.actions import Action
-from pask.kv.quant import int4_bytes_per_vector
+from pask.kv.quant import lowbit_bytes_per_vector
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Relative cost of H / L / R for vectors of ``head_dim`` values in ``dtype``."""
+    """Relative cost of H / L / R for vectors of ``head_dim`` values in ``dtype``, L at ``bits`` (4 or 2)."""
 
     head_dim: int = 64
     quant_group: int = 32
     dtype: torch.dtype = torch.bfloat16
+    bits: int = 4
 
     @property
     def full_bytes_per_vector(self) -> int:
         return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
-    def int4_ratio(self) -> float:
-        """L cost: 0.3125 for BF16, D=64, group 32."""
-        return int4_bytes_per_vector(self.head_dim, self.quant_group) / self.full_bytes_per_vector
+    def l_ratio(self) -> float:
+        """L cost: 0.3125 for INT4 over BF16 at D=64, group 32 (0.1875 for INT2)."""
+        return lowbit_bytes_per_vector(self.head_dim, self.quant_group, self.bits) / self.full_bytes_per_vector
 
     def cost(self, action: Action) -> float:
-        return {Action.H: 1.0, Action.L: self.int4_ratio, Action.R: 0.0}[Action(int(action))]
+        return {Action.H: 1.0, Action.L: self.l_ratio, Action.R: 0.0}[Action(int(action))]
 
     def mix_cost(self, h: float, l: float, r: float) -> float:  # noqa: E741
         """Expected relative bytes of a mix of H / L / R fractions."""
-        return h * 1.0 + l * self.int4_ratio + r * 0.0
+        return h * 1.0 + l * self.l_ratio + r * 0.0
 
     def predict(self, counts: Sequence[int]) -> float:
         """Relative bytes of (nH, nL, nR) tokens."""
         n = sum(counts)
-        return 0.0 if n == 0 else (counts[0] + counts[1] * self.int4_ratio) / n
+        return 0.0 if n == 0 else (counts[0] + counts[1] * self.l_ratio) / n
 
 
 @dataclass

@@ -4,7 +4,9 @@ Storage (per layer, per sequence, no padding held; see :mod:`pask.kv.storage`):
 
 * H tier: dense ``K, V [Hkv, capacity, D]`` in the model dtype;
 * L tier: INT4 codes (two per byte, keys in 64-slot d-major blocks, values per scale group as
-  adjacent pairs: the layouts PyTorch's CPU int4 GEMM reads) + per (token, group) scale and zero.
+  adjacent pairs: the layouts PyTorch's CPU int4 GEMM reads) + per (token, group) scale and zero;
+  with ``CacheConfig.low_bits = 2`` INT2 codes instead (four per byte, token-major), read by the
+  reference attention (the native, fused and Triton kernels serve INT4 only).
 
 Each tier is dense: slots ``[0, n)`` are live. Appends write at the tail and double the
 capacity when full (amortised O(1) per token); removals move the last live slots into the
@@ -21,6 +23,7 @@ RoPE position); released tokens keep their position. Decoding must pass explicit
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from pask.kv.errors import (
     UnknownPositionError,
     UnsupportedModelError,
 )
-from pask.kv.quant import check_group
+from pask.kv.quant import check_bits, check_group
 from pask.kv.storage import _NONE, CopyStats, _GroupIndex, _SeqStore
 
 H, L, R = int(Action.H), int(Action.L), int(Action.R)
@@ -58,6 +61,7 @@ class CacheConfig:
     fast_path: bool = True  # use a fused CPU decode path when one applies (bf16 on CPU)
     native: bool = True  # prefer the compiled kernel (native_attention.cpp) over PyTorch's fused kernels
     key_balance: bool = True  # balance INT4 keys per channel before quantising (see storage.key_balance)
+    low_bits: int = 4  # code width of the L tier: 4 (INT4) or 2 (INT2, for KIVI-2)
 
     def __post_init__(self) -> None:
         if self.num_groups < 1:
@@ -68,6 +72,16 @@ class CacheConfig:
             raise KVCacheError("initial_capacity and dequant_block must be >= 1")
         if not 0.0 <= self.shrink_below < 0.8:
             raise KVCacheError(f"shrink_below must be in [0, 0.8), got {self.shrink_below}")
+        check_bits(self.low_bits)
+
+
+def config_for(policy, config: CacheConfig | None = None) -> CacheConfig:
+    """``config`` (default settings if None) with the L-tier width the policy asks for (``low_bits``)."""
+    config = config or CacheConfig()
+    bits = getattr(policy, "low_bits", None)
+    if bits is None or bits == config.low_bits:
+        return config
+    return dataclasses.replace(config, low_bits=bits)
 
 
 @dataclass(frozen=True)
@@ -422,7 +436,7 @@ class TieredCache(Cache):
         for layer in layers:
             st = layer.seqs[seq]
             kv = st.h.take(slots)
-            st.append_int4(kv["k"], kv["v"])
+            st.append_low(kv["k"], kv["v"])
         plan = ix.plan_remove(H, slots)
         for layer in layers:
             layer.seqs[seq].h.remove(*plan)

@@ -164,6 +164,7 @@ def applies(query: torch.Tensor, layer) -> bool:
         and query.shape[-1] <= MAX_DIM
         and grp <= MAX_ROWS
         and cfg.quant_group == GROUP
+        and cfg.low_bits == 4
         and available()
     )
 
@@ -235,6 +236,7 @@ def move_applies(stores: list) -> bool:
     st = stores[0]
     return (
         st.group == GROUP
+        and st.bits == 4
         and st.h.parts["k"].dtype == torch.bfloat16
         and all(s.kbal is not None for s in stores)
         and available()
@@ -243,7 +245,7 @@ def move_applies(stores: list) -> bool:
 
 def move_to_int4(stores: list, slot: int, last: int, lslot: int) -> None:
     """Quantise H slot ``slot`` of each store (the layers of one group) into INT4 slot ``lslot`` and
-    move H slot ``last`` into ``slot``; bit-exact with :meth:`_SeqStore.append_int4`. The INT4
+    move H slot ``last`` into ``slot``; bit-exact with :meth:`_SeqStore.append_low`. The INT4
     tiers must already hold capacity for ``lslot``; the caller updates the counts."""
     n = len(stores)
     vp = ctypes.c_void_p * n

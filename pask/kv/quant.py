@@ -1,4 +1,4 @@
-"""INT4 packing of K/V vectors: per-group asymmetric scale/zero along head_dim.
+"""Low-bit packing of K/V vectors (INT4, and INT2 for the 2-bit tier): per-group asymmetric scale/zero.
 
 A vector ``x`` of ``D`` values is split into ``D // group`` groups. Each group keeps
 ``zero = min`` and ``scale = (max - min) / 15`` as float16, and each value the 4-bit code
@@ -10,6 +10,10 @@ ops (``& 15`` and ``>> 4``) and a concatenation, and for ``D = 64`` the layout i
 one PyTorch's CPU int4 GEMM reads (see :mod:`pask.kv.fastpath`).
 
 Bytes per vector: ``D/2 + 2 * (D/group) * 2``; 0.3125 of BF16 at ``D = 64, group = 32``.
+
+INT2 (``bits=2``, codes 0..3) packs four codes per byte, adjacent: byte ``j`` holds codes
+``4j .. 4j+3`` at bit offsets 0, 2, 4, 6 (:func:`pack_quads`). Bytes per vector:
+``D/4 + 2 * (D/group) * 2``; 0.1875 of BF16 at ``D = 64, group = 32``.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pask.kv.errors import UnsupportedModelError
+from pask.kv.errors import KVCacheError, UnsupportedModelError
 
 QMAX = 15
+BITS = (2, 4)  # the code widths a low tier can hold
 
 
 @dataclass
@@ -50,10 +55,24 @@ def check_group(head_dim: int, group: int) -> None:
         )
 
 
-def int4_bytes_per_vector(head_dim: int, group: int = 32) -> int:
-    """Bytes of one packed vector of ``head_dim`` values (codes + fp16 scale and zero)."""
+def check_bits(bits: int) -> int:
+    """``bits`` if a low tier can hold codes of that width (2 or 4), else KVCacheError."""
+    if bits not in BITS:
+        raise KVCacheError(f"low-bit codes must be 2 or 4 bits wide, got {bits!r}")
+    return bits
+
+
+def lowbit_bytes_per_vector(head_dim: int, group: int = 32, bits: int = 4) -> int:
+    """Bytes of one packed vector of ``head_dim`` ``bits``-bit codes + 2-byte scale and zero per group."""
     check_group(head_dim, group)
-    return head_dim // 2 + 2 * (head_dim // group) * 2
+    if check_bits(bits) == 2 and head_dim % 4:
+        raise UnsupportedModelError(f"INT2 packing needs head_dim divisible by 4, got {head_dim}")
+    return head_dim * bits // 8 + 2 * (head_dim // group) * 2
+
+
+def int4_bytes_per_vector(head_dim: int, group: int = 32) -> int:
+    """Bytes of one packed INT4 vector of ``head_dim`` values (codes + fp16 scale and zero)."""
+    return lowbit_bytes_per_vector(head_dim, group, 4)
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -93,33 +112,49 @@ def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
+def pack_quads(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 2-bit codes 0..3 [..., n] four per byte: byte ``j`` = codes ``4j + i`` << ``2i`` -> [..., n/4]."""
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+def unpack_quads(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_quads`: uint8 [..., n/4] -> uint8 codes [..., n]."""
+    return torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).flatten(-2)
+
+
 def quantize_codes(
-    x: torch.Tensor, group: int = 32, zero_point: int = 0, scale_dtype: torch.dtype = torch.float16
+    x: torch.Tensor,
+    group: int = 32,
+    zero_point: int = 0,
+    scale_dtype: torch.dtype = torch.float16,
+    bits: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantise ``x`` [..., D] to unpacked codes uint8 [..., D] (0..15) and scale/zero [..., D/group].
+    """Quantise ``x`` [..., D] to unpacked codes uint8 [..., D] (0..2^bits-1) and scale/zero [..., D/group].
 
     ``x ≈ (code - zero_point) * scale + zero``; ``zero_point = 0`` gives ``zero = min`` (the
     :class:`Int4Tensor` format), ``zero_point = 8`` the form PyTorch's int4 GEMM reads. The
     ``scale_dtype`` (fp16 by default; the cache's INT4 tier uses bf16, what that GEMM reads)
     ``zero`` and ``scale`` are rounded so that every value lies in the covered range
-    ``[zero - zero_point * scale, ... + 15 * scale]``: the round-trip error is at most ``scale / 2``
-    (plus fp32 rounding).
+    ``[zero - zero_point * scale, ... + qmax * scale]`` (``qmax = 2^bits - 1``): the round-trip error
+    is at most ``scale / 2`` (plus fp32 rounding).
     """
     d = x.shape[-1]
     check_group(d, group)
+    qmax = (1 << check_bits(bits)) - 1
     xg = x.float().reshape(*x.shape[:-1], d // group, group)
     mn = xg.amin(dim=-1)
     mx = xg.amax(dim=-1)
-    scale = _round_up((mx - mn) / QMAX, scale_dtype)
+    scale = _round_up((mx - mn) / qmax, scale_dtype)
     scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0**-24))
     while True:  # rounding zero down may leave mx above the top code: widen those groups
         zero = _round_down(mn + zero_point * scale.float(), scale_dtype)
         low = zero.float() - zero_point * scale.float()  # value of code 0
-        short = low + QMAX * scale.float() < mx
+        short = low + qmax * scale.float() < mx
         if not bool(short.any()):
             break
         scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
-    codes = torch.round((xg - low[..., None]) / scale.float()[..., None]).clamp_(0, QMAX)
+    codes = torch.round((xg - low[..., None]) / scale.float()[..., None]).clamp_(0, qmax)
     return codes.reshape(*x.shape[:-1], d).to(torch.uint8), scale, zero
 
 

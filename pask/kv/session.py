@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from pask.kv import stats
 from pask.kv.attention import enable_pask_attention
 from pask.kv.budget import CostModel
-from pask.kv.cache import CacheConfig, TieredCache
+from pask.kv.cache import CacheConfig, TieredCache, config_for
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.policies.base import Policy, SeqContext
 
@@ -87,7 +87,7 @@ class TieredSession:
 
     def __init__(self, model: torch.nn.Module, policy: Policy, config: CacheConfig | None = None) -> None:
         self.model, self.policy = model, policy
-        self.config = config or CacheConfig()
+        self.config = config_for(policy, config)
         self._prev_attn = enable_pask_attention(model)
 
     def close(self) -> None:
@@ -112,7 +112,9 @@ class TieredSession:
         )
         layer = self.cache.layers[0]
         spec = self.cache.spec
-        self.int4_cost = CostModel(spec.head_dim, self.config.quant_group, layer.dtype or torch.bfloat16).int4_ratio
+        self.int4_cost = CostModel(
+            spec.head_dim, self.config.quant_group, layer.dtype or torch.bfloat16, self.config.low_bits
+        ).l_ratio
         for row in range(len(rows)):
             extra = {}
             if self.stats is not None:

@@ -135,7 +135,7 @@ def explicit_decode(
         ks.append(store.h.view("k").float())
         vs.append(store.h.view("v").float())
     if store.l.n:
-        k, v = store.int4_kv()
+        k, v = store.low_kv()
         ks.append(k)
         vs.append(v)
     k = torch.cat(ks, dim=1) if len(ks) > 1 else ks[0]

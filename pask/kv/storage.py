@@ -1,4 +1,4 @@
-"""Storage of the tiered cache: dense token-slot tiers, the INT4 layouts and the position index.
+"""Storage of the tiered cache: dense token-slot tiers, the INT4 / INT2 layouts and the position index.
 
 * :class:`_Tier`: tensors ``[heads, *pre, capacity, *post]`` with ``n`` live slots; tail appends with
   capacity doubling, swap-removes (the last live slots move into the holes), shrinking when the
@@ -6,7 +6,8 @@
 * :class:`_BlockedCodes`: INT4 key codes, 64-slot blocks stored d-major.
 * :class:`_GroupIndex`: per (sequence, layer group), the tier and slot of every position and the
   position of every slot, shared by the layers of the group.
-* :class:`_SeqStore`: one sequence's H and INT4 tiers in one layer.
+* :class:`_SeqStore`: one sequence's H and low-bit (L) tiers in one layer; the L tier holds INT4
+  codes, or INT2 codes when the cache's ``low_bits`` is 2 (KIVI-2).
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from pask.kv.actions import Action
-from pask.kv.quant import dequantize_codes, pack_pairs, quantize_codes, unpack_pairs
+from pask.kv.quant import (
+    check_bits,
+    dequantize_codes,
+    pack_pairs,
+    pack_quads,
+    quantize_codes,
+    unpack_pairs,
+    unpack_quads,
+)
 
 if TYPE_CHECKING:
     from pask.kv.cache import CacheConfig
@@ -36,6 +45,13 @@ class CopyStats:
 
 SCALE_DTYPE = torch.bfloat16  # INT4-tier scales/zeros: 2 bytes like fp16, and what the int4 GEMM reads
 KEY_ZERO_POINT = 8  # key codes dequantise as (c - 8) * scale + zero, as PyTorch's int4 GEMM does
+
+
+def key_zero_point(bits: int) -> int:
+    """Zero point of ``bits``-bit key codes: 8 for INT4 (the int4 GEMM's), 2 for INT2."""
+    return 1 << (bits - 1)
+
+
 BLOCK = 64  # INT4 key block: 64 token slots, stored d-major (see _BlockedCodes)
 
 
@@ -368,65 +384,80 @@ def key_balance(keys: torch.Tensor) -> torch.Tensor:
 class _SeqStore:
     """One sequence's tiers in one layer.
 
-    H tier: ``k, v [Hkv, cap, D]`` (model dtype). L tier: ``kq`` key codes (blocked, d-major),
-    ``ksz [Hkv, D/g, cap, 2]`` (scale, zero) per key group with ``k' = (code - 8) * scale + zero`` (the
-    int4 GEMM's convention), ``vq [Hkv, D/g, cap, g/2]`` value codes per group as adjacent pairs
-    (the GEMM's layout for a ``[g, tokens]`` weight), ``vs, vz [Hkv, D/g, cap]`` value scale and zero.
-    Scales and zeros are bf16 (same 2 bytes as fp16; the int4 GEMM reads bf16), rounded so the
-    round-trip error stays within ``scale / 2``. Keys are balanced per channel before quantisation
-    (:func:`key_balance`): the codes hold ``k' = (k - mid) / bal`` and ``k = k' * bal + mid``, with
-    ``kbal [Hkv, 2, D]`` (fp32, counted in the held bytes) fixed at the first INT4 write from the keys
-    the H tier then holds (at prefill: the whole prompt).
+    H tier: ``k, v [Hkv, cap, D]`` (model dtype). L tier at 4 bits: ``kq`` key codes (blocked,
+    d-major), ``ksz [Hkv, D/g, cap, 2]`` (scale, zero) per key group with
+    ``k' = (code - 8) * scale + zero`` (the int4 GEMM's convention), ``vq [Hkv, D/g, cap, g/2]`` value
+    codes per group as adjacent pairs (the GEMM's layout for a ``[g, tokens]`` weight), ``vs, vz
+    [Hkv, D/g, cap]`` value scale and zero. At 2 bits (``cfg.low_bits == 2``): ``kq [Hkv, cap, D/4]``
+    (four codes per byte, :func:`~pask.kv.quant.pack_quads`, ``k' = (code - 2) * scale + zero``) and
+    ``vq [Hkv, D/g, cap, g/4]``; scales and zeros as at 4 bits. Scales and zeros are bf16 (same 2
+    bytes as fp16; the int4 GEMM reads bf16), rounded so the round-trip error stays within
+    ``scale / 2``. Keys are balanced per channel before quantisation (:func:`key_balance`): the codes
+    hold ``k' = (k - mid) / bal`` and ``k = k' * bal + mid``, with ``kbal [Hkv, 2, D]`` (fp32, counted in
+    the held bytes) fixed at the first L write from the keys the H tier then holds (at prefill: the
+    whole prompt).
     """
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, cfg: CacheConfig, stats: CopyStats):
         g = head_dim // cfg.quant_group
         self.group = cfg.quant_group
+        self.bits = check_bits(getattr(cfg, "low_bits", 4))
         self.h = _Tier(
             {"k": _Plain((), (head_dim,), dtype), "v": _Plain((), (head_dim,), dtype)}, heads, device, cfg, stats
         )
-        int4 = {
-            "kq": _BlockedCodes(head_dim),
+        per_byte = 8 // self.bits
+        low = {
+            "kq": _BlockedCodes(head_dim) if self.bits == 4 else _Plain((), (head_dim // per_byte,), torch.uint8),
             "ksz": _Plain((g,), (2,), SCALE_DTYPE),
-            "vq": _Plain((g,), (cfg.quant_group // 2,), torch.uint8),
+            "vq": _Plain((g,), (cfg.quant_group // per_byte,), torch.uint8),
             "vs": _Plain((g,), (), SCALE_DTYPE),
             "vz": _Plain((g,), (), SCALE_DTYPE),
         }
-        self.l = _Tier(int4, heads, device, cfg, stats, align=BLOCK)
+        self.l = _Tier(low, heads, device, cfg, stats, align=BLOCK if self.bits == 4 else 1)
         self.kbal: torch.Tensor | None = None  # [Hkv, 2, D] fp32: per-channel mid-range, sqrt(range)
         self.balanced = getattr(cfg, "key_balance", True)
 
     def tier(self, t: int) -> _Tier:
         return self.h if t == H else self.l
 
-    def append_int4(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantise ``k, v [Hkv, n, D]`` (keys balanced per channel) and append them to the L tier."""
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        return pack_pairs(codes) if self.bits == 4 else pack_quads(codes)
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        return unpack_pairs(packed) if self.bits == 4 else unpack_quads(packed)
+
+    def append_low(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantise ``k, v [Hkv, n, D]`` (keys balanced per channel) to ``bits`` and append them to the L tier."""
         if self.kbal is None:
             self.kbal = key_balance(self.h.view("k") if self.h.n else k)
             if not self.balanced:  # plain per-token quantisation (ablation): identity balance, not stored
                 self.kbal = torch.stack([torch.zeros_like(self.kbal[:, 0]), torch.ones_like(self.kbal[:, 1])], 1)
         mid, bal = self.kbal[:, 0:1], self.kbal[:, 1:2]
-        kc, ks, kz = quantize_codes((k.float() - mid) / bal, self.group, KEY_ZERO_POINT, SCALE_DTYPE)
-        vc, vs, vz = quantize_codes(v, self.group, 0, SCALE_DTYPE)
+        b = self.bits
+        kc, ks, kz = quantize_codes((k.float() - mid) / bal, self.group, key_zero_point(b), SCALE_DTYPE, b)
+        vc, vs, vz = quantize_codes(v, self.group, 0, SCALE_DTYPE, b)
         ksz = torch.stack([ks, kz], dim=-1).transpose(1, 2)
         heads, n, d = vc.shape
-        vq = pack_pairs(vc.view(heads, n, d // self.group, self.group)).transpose(1, 2)
-        self.l.append(kq=kc, ksz=ksz, vq=vq, vs=vs.transpose(1, 2), vz=vz.transpose(1, 2))
+        vq = self._pack(vc.view(heads, n, d // self.group, self.group)).transpose(1, 2)
+        kq = kc if b == 4 else pack_quads(kc)  # the INT4 key part takes unpacked codes (blocked layout)
+        self.l.append(kq=kq, ksz=ksz, vq=vq, vs=vs.transpose(1, 2), vz=vz.transpose(1, 2))
 
-    def int4_kv(
-        self, start: int = 0, stop: int | None = None, dtype=torch.float32
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def low_kv(self, start: int = 0, stop: int | None = None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantised L-tier keys and values of slots ``[start, stop)``: ``[Hkv, m, D]`` each."""
         stop = self.l.n if stop is None else stop
-        slots = torch.arange(start, stop, device=self.l.device)
         t = self.l.t
-        codes = self.l.parts["kq"].read(t["kq"], slots)
+        if self.bits == 4:
+            slots = torch.arange(start, stop, device=self.l.device)
+            codes = self.l.parts["kq"].read(t["kq"], slots)
+        else:
+            codes = unpack_quads(t["kq"][:, start:stop])
         sz = t["ksz"][:, :, start:stop].float().transpose(1, 2)  # [Hkv, m, G, 2]
-        k = dequantize_codes(codes, sz[..., 0], sz[..., 1], torch.float32, zero_point=KEY_ZERO_POINT)
+        zp = key_zero_point(self.bits)
+        k = dequantize_codes(codes, sz[..., 0], sz[..., 1], torch.float32, zero_point=zp)
         k = (k * self.kbal[:, 1:2] + self.kbal[:, 0:1]).to(dtype)
         vs = t["vs"][:, :, start:stop].transpose(1, 2)
         vz = t["vz"][:, :, start:stop].transpose(1, 2)
-        vc = unpack_pairs(t["vq"][:, :, start:stop]).transpose(1, 2).flatten(-2)  # [Hkv, m, D]
+        vc = self._unpack(t["vq"][:, :, start:stop]).transpose(1, 2).flatten(-2)  # [Hkv, m, D]
         v = dequantize_codes(vc, vs, vz, dtype)
         return k, v
 

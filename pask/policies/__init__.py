@@ -2,8 +2,9 @@
 
 ``full`` and ``static_mix`` are references; the budget-controlled baselines (each takes a target
 measured budget ``budget`` in (0, 1] and meets it within about ``1 / (2n)``) are ``h2o``,
-``snapkv``, ``mikv``, ``rocketkv``, ``criticalkv``, ``lazyeviction`` and ``kivi-4`` (alias
-``kivi``). See :mod:`pask.policies._common` for the budget arithmetic shared by all of them.
+``snapkv``, ``mikv``, ``rocketkv``, ``criticalkv``, ``lazyeviction``, ``kivi-4`` (alias
+``kivi``) and ``kivi-2`` (on a cache whose L tier holds INT2 codes). See
+:mod:`pask.policies._common` for the budget arithmetic shared by all of them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pask.policies.base import ActionSpec, Policy, SeqContext
 from pask.policies.criticalkv import CriticalKVPolicy
 from pask.policies.full import FullPolicy
 from pask.policies.h2o import H2OPolicy
-from pask.policies.kivi import KIVIPolicy
+from pask.policies.kivi import KIVIPolicy, kivi_factory
 from pask.policies.lazyeviction import LazyEvictionPolicy
 from pask.policies.mikv import MiKVPolicy
 from pask.policies.pask import PaskPolicy, make_pask_policy
@@ -32,13 +33,14 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {
     "rocketkv": RocketKVPolicy,
     "criticalkv": CriticalKVPolicy,
     "lazyeviction": LazyEvictionPolicy,
-    "kivi-4": KIVIPolicy,
+    "kivi-4": kivi_factory(4),
+    "kivi-2": kivi_factory(2),
     "pask": make_pask_policy,  # needs ``table`` (a FrozenTable or the path of a table file)
 }
 _ALIASES = {"kivi": "kivi-4"}
 
 #: The budget-controlled baselines (each takes ``budget``).
-BASELINES = ("h2o", "snapkv", "mikv", "rocketkv", "criticalkv", "lazyeviction", "kivi-4")
+BASELINES = ("h2o", "snapkv", "mikv", "rocketkv", "criticalkv", "lazyeviction", "kivi-4", "kivi-2")
 
 
 def register_policy(name: str, factory: Callable[..., Policy]) -> None:

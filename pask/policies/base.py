@@ -39,7 +39,7 @@ class SeqContext:
     tags: list = field(default_factory=list)  # structural Tag of each generated token so far
     prompt_labels: list | None = None  # PromptLabel of each prompt token (None: task gave none)
     groups: list[range] = field(default_factory=list)  # the model layers of each layer group
-    int4_cost: float = 0.3125  # bytes of an INT4 token / bytes of an H token in this cache (Action.L cost)
+    int4_cost: float = 0.3125  # bytes of an L token (INT4; INT2 in a 2-bit cache) / bytes of an H token (Action.L cost)
     prefill_attention: torch.Tensor | None = None
     prefill_value_norm: torch.Tensor | None = None
     step_attention: torch.Tensor | None = None
@@ -63,6 +63,8 @@ class Policy(Protocol):
     ``prefill_value_norm: bool = False`` (``‖v W_o‖₁`` per prompt token), ``step_attention: bool =
     False`` (the new query's attention over the held tokens after every decode step) and
     ``step_scorer: Callable | None = None`` (a custom score over the held keys per decode step).
+    ``low_bits: int`` asks for a cache whose L tier holds codes of that width (4 by default; 2 for
+    KIVI-2, see :func:`pask.kv.cache.config_for`).
     """
 
     name: str

@@ -1,9 +1,8 @@
-"""KIVI: uniform low-bit KV with a full-precision residual of recent tokens; nothing is evicted."""
+"""KIVI: uniform low-bit KV (4 or 2 bits) with a full-precision residual of recent tokens; nothing is evicted."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -15,22 +14,23 @@ from pask.policies.base import ActionSpec, SeqContext
 
 @dataclass
 class KIVIPolicy:
-    """KIVI: a tuning-free asymmetric 2bit quantization for KV cache (Liu et al., ICML 2024), 4-bit here.
+    """KIVI: a tuning-free asymmetric 2bit quantization for KV cache (Liu et al., ICML 2024).
 
     Every token outside a full-precision residual of the most recent tokens is quantised (the
-    cache's INT4 tier); nothing is ever released. The residual length follows from the budget:
-    the newest ``h`` tokens stay H with ``h + c · (n - h) = budget · n`` (``c`` the INT4 cost: 0.3125
-    for BF16 at D = 64, g = 32), at least the cache's recent window, so ``budget = c + ε`` is plain
-    KIVI-4 with the recent window as residual. A target below ``c + (1 - c) · W / n`` cannot be
-    met without eviction: the policy then quantises everything outside the recent window and the
-    measured B stays above the target.
+    cache's L tier, INT4 for ``kivi-4`` and INT2 for ``kivi-2``: the policy's ``low_bits`` sets the
+    cache's tier width); nothing is ever released. The residual length follows from the budget:
+    the newest ``h`` tokens stay H with ``h + c · (n - h) = budget · n`` (``c`` the L cost: 0.3125
+    for INT4 and 0.1875 for INT2 over BF16 at D = 64, g = 32), at least the cache's recent window,
+    so ``budget = c + ε`` is plain KIVI with the recent window as residual. A target below
+    ``c + (1 - c) · W / n`` cannot be met without eviction: the policy then quantises everything
+    outside the recent window and the measured B stays above the target.
 
     Parameters
     ----------
     budget : float
         Target measured budget B in (0, 1].
     bits : int, default=4
-        Only 4 (the cache has no INT2 tier, so KIVI-2 is not provided).
+        Code width of the quantised tokens: 4 (``kivi-4``) or 2 (``kivi-2``).
 
     Notes
     -----
@@ -47,12 +47,19 @@ class KIVIPolicy:
     budget: float
     bits: int = 4
 
-    name: ClassVar[str] = "kivi-4"
-
     def __post_init__(self) -> None:
+        if self.bits not in (2, 4):
+            raise PaskError(f"kivi: bits must be 2 or 4, got {self.bits!r}")
         self.budget = check_budget(self.budget, self.name)
-        if self.bits != 4:
-            raise PaskError(f"{self.name}: bits must be 4 (the cache has an INT4 tier only), got {self.bits!r}")
+
+    @property
+    def name(self) -> str:
+        return f"kivi-{self.bits}"
+
+    @property
+    def low_bits(self) -> int:
+        """The L-tier code width this policy needs from the cache (see :func:`pask.kv.cache.config_for`)."""
+        return self.bits
 
     def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
         n = ctx.length
@@ -73,3 +80,13 @@ class KIVIPolicy:
 
     def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
         return self._plan(ctx)
+
+
+def kivi_factory(bits: int):
+    """The registry entry of ``kivi-<bits>``: ``budget`` only (the name fixes the code width)."""
+
+    def make(budget: float) -> KIVIPolicy:
+        return KIVIPolicy(budget, bits=bits)
+
+    make.__name__ = make.__qualname__ = f"kivi{bits}"
+    return make

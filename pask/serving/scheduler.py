@@ -34,7 +34,7 @@ from pask.engine import Generation, Request, accept_token, closing_tokens, eos_i
 from pask.kv import stats
 from pask.kv.attention import enable_pask_attention
 from pask.kv.budget import CostModel
-from pask.kv.cache import CacheConfig, TieredCache
+from pask.kv.cache import CacheConfig, TieredCache, config_for
 from pask.kv.session import decide_row, left_pad, row_budget
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.models import LoadedModel
@@ -120,9 +120,9 @@ class Scheduler:
     ) -> None:
         self.lm, self.model, self.tok = lm, lm.model, lm.tokenizer
         self.policy_factory = policy_factory
-        self.config = cache_config or CacheConfig()
         self.max_batch = max_batch
         probe = policy_factory()
+        self.config = config_for(probe, cache_config)
         self.policy_name = getattr(probe, "name", type(probe).__name__)
         self.needs_tags = bool(getattr(probe, "needs_tags", False))
         self.stats_request = StatsRequest.of(probe)
@@ -135,7 +135,8 @@ class Scheduler:
         self.closers = closing_tokens(self.tok, self.eos)
         self._prev_attn = enable_pask_attention(self.model)
         self.cache = TieredCache(self.model.config, self.config, batch_size=0)
-        self.int4_cost = CostModel(self.cache.spec.head_dim, self.config.quant_group, dtype).int4_ratio
+        spec = self.cache.spec
+        self.int4_cost = CostModel(spec.head_dim, self.config.quant_group, dtype, self.config.low_bits).l_ratio
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # running[i] holds row i of the cache
         self.reserved = 0
