@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pask.errors import PaskError
 from pask.models import DEFAULT_MODEL
-from pask.sweep import code_version, file_sha256
+from pask.sweep import code_version, file_sha256, machine
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Parser-aware structural KV persistence.")
 eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a model + KV policy on a task.")
@@ -113,7 +113,7 @@ def _command() -> str:
 
 def _run_meta(meta: dict, table: Path | None = None) -> dict:
     """An eval's run record plus the command line, the code version and the PASK table's hash."""
-    out = {**meta, "command": _command(), "code_version": code_version()}
+    out = {**meta, "command": _command(), "code_version": code_version(), "machine": machine()}
     if table is not None:
         out["table_sha256"] = file_sha256(Path(table))
     return out

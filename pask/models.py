@@ -251,6 +251,9 @@ def load_model(
     except OSError as e:
         raise PaskError(f"cannot load model '{name_or_path}': {e}") from None
     model.eval()
+    from pask import bf16_matmul
+
+    model.pask_fp32_linears = bf16_matmul.apply(model)  # fp32 products on CPUs without BF16 arithmetic
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.pask_load_seconds = time.perf_counter() - t0

@@ -724,6 +724,26 @@ def plan(
     return out
 
 
+def machine() -> dict:
+    """What a run's timings and bf16 numerics depend on: CPU, its BF16 arithmetic, the matmul mode."""
+    import platform
+
+    from pask import bf16_matmul
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "torch_cpu_capability": torch_cpu_capability(),
+        "cpu_bf16": bf16_matmul.cpu_has_bf16(),
+        "bf16_matmul": bf16_matmul.mode(),
+    }
+
+
+def torch_cpu_capability() -> str:
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
 def new_manifest(cell: Cell, n_cases: int, version: dict, wall_s: float = 0.0) -> dict:
     """A cell's ``cell.json`` before its first run: coordinates, spec, config hash, code version."""
     return {
@@ -747,7 +767,7 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
     man = read_manifest(p.dir) or new_manifest(p.cell, len(p.cases), version)
     man["status"] = "running"
     before = len(ids & set(read_done(p.dir / "cases.jsonl")))
-    man["runs"].append({"started": _now(), "mode": mode, "cases_before": before})
+    man["runs"].append({"started": _now(), "mode": mode, "cases_before": before, "machine": machine()})
     write_json(p.dir / CELL_FILE, man)
     return man
 

@@ -1,0 +1,81 @@
+"""fp32 products for bf16 linear layers on CPUs without BF16 arithmetic (pask.bf16_matmul)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pask import bf16_matmul
+from pask.errors import PaskError
+
+
+def _mlp(dtype=torch.bfloat16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False)).to(dtype)
+
+
+def test_cpu_flags_decide_auto_mode():
+    assert bf16_matmul.cpu_has_bf16("processor : 0\nflags : fpu avx2 avx512f avx512_bf16\n")
+    assert bf16_matmul.cpu_has_bf16("flags : fpu avx2 amx_bf16 amx_tile\n")
+    assert not bf16_matmul.cpu_has_bf16("flags : fpu sse4_2 avx2 fma f16c\n")
+    assert bf16_matmul.cpu_has_bf16("Processor : AArch64\n")  # no x86 flags line: change nothing
+
+
+def test_fp32_mode_computes_in_fp32_on_bf16_values_and_keeps_small_inputs_native():
+    m = _mlp()
+    lin = m[0]
+    x = torch.randn(40, 64).bfloat16()
+    small = x[:4]
+    native_small = lin(small)
+    assert bf16_matmul.apply(m, "fp32") == 2
+    assert bf16_matmul.apply(m, "fp32") == 2  # idempotent: the same forward again
+    want = F.linear(x.float(), lin.weight.float(), lin.bias.float()).bfloat16()
+    got = lin(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert torch.equal(lin(small), native_small)  # under MIN_ROWS rows: the native bf16 GEMM
+    assert (m(x).float() - _mlp()(x).float()).abs().max() <= 0.05  # same bf16 model, other rounding
+    batched = torch.randn(2, 20, 64).bfloat16()  # rows counted over all leading dims
+    assert torch.equal(lin(batched), F.linear(batched.float(), lin.weight.float(), lin.bias.float()).bfloat16())
+
+
+def test_native_mode_fp32_models_and_auto_on_bf16_cpus_change_nothing(monkeypatch):
+    assert bf16_matmul.apply(_mlp(), "native") == 0
+    assert bf16_matmul.apply(_mlp(torch.float32), "fp32") == 0
+    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: True)
+    assert bf16_matmul.apply(_mlp(), "auto") == 0
+    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: False)
+    assert bf16_matmul.apply(_mlp(), "auto") == 2
+
+
+def test_mode_comes_from_the_environment_and_bad_values_are_clear_errors(monkeypatch):
+    monkeypatch.setenv("PASK_BF16_MATMUL", "FP32")
+    assert bf16_matmul.mode() == "fp32"
+    monkeypatch.delenv("PASK_BF16_MATMUL")
+    assert bf16_matmul.mode() == "auto"
+    monkeypatch.setenv("PASK_BF16_MATMUL", "fast")
+    with pytest.raises(PaskError, match="PASK_BF16_MATMUL must be one of auto, fp32, native"):
+        bf16_matmul.mode()
+    with pytest.raises(PaskError, match="mode must be one of"):
+        bf16_matmul.apply(_mlp(), "fast")
+
+
+def test_tiny_model_in_bf16_decodes_the_same_tokens_with_fp32_products(smol):
+    """smollm2 in bf16: greedy tokens of a prompt agree with and without the fp32 products."""
+    from pask.models import load_model
+
+    tok = smol.tokenizer
+    ids = tok("def fibonacci(n):\n    " * 6, return_tensors="pt")["input_ids"]
+    assert ids.shape[1] >= bf16_matmul.MIN_ROWS
+    runs = []
+    for how in ("native", "fp32"):
+        lm = load_model("smollm2-135m", dtype=torch.bfloat16)
+        if how == "native":
+            for mod in lm.model.modules():  # undo what load_model did on a CPU without BF16 arithmetic
+                mod.__dict__.pop("forward", None)
+        else:
+            bf16_matmul.apply(lm.model, "fp32")
+        with torch.inference_mode():
+            out = lm.model.generate(ids, max_new_tokens=8, do_sample=False)
+        runs.append(out[0, ids.shape[1] :].tolist())
+    assert runs[0][:4] == runs[1][:4], runs
