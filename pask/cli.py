@@ -85,6 +85,18 @@ def progress_bar() -> Progress:
     )
 
 
+def load_pask_table(table: Path | None, task: str, fingerprint: str | None, allow_transfer: bool = False):
+    """The frozen PASK table of ``--table``, checked against the model's fingerprint and the task."""
+    from pask.calibration.table import load
+
+    if table is None:
+        raise PaskError(f"--policy pask needs --table FILE (made by `pask calibrate --task {task}`)")
+    frozen = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)
+    if frozen.task != task:
+        raise PaskError(f"{table} was calibrated for task '{frozen.task}', not '{task}'")
+    return frozen
+
+
 def _policy_builder(task: str, policy: str, budget: float | None, config: str | None, table, allow_transfer: bool):
     """Check an eval's policy arguments before the model loads; return ``lm -> KV policy`` (None: Full KV)."""
     if budget is not None and not 0 < budget <= 1:
@@ -98,10 +110,7 @@ def _policy_builder(task: str, policy: str, budget: float | None, config: str | 
     def build(lm):
         from pask.policies.pask import make_pask_policy
 
-        kv_policy = make_pask_policy(table, budget, fingerprint=lm.fingerprint, allow_transfer=allow_transfer)
-        if kv_policy.table.task != task:
-            raise PaskError(f"{table} was calibrated for task '{kv_policy.table.task}', not '{task}'")
-        return kv_policy
+        return make_pask_policy(load_pask_table(table, task, lm.fingerprint, allow_transfer), budget)
 
     return build
 
@@ -576,13 +585,10 @@ def serving_policy_factory(
     """
     from pask.policies import FullPolicy
 
-    if name == "pask":
-        from pask.calibration.table import load
+    if name == "pask":  # served requests are tool calls / JSON: a function-calling (bfcl) table
         from pask.policies.pask import make_pask_policy
 
-        if table is None:
-            raise PaskError("--policy pask needs --table FILE (made by `pask calibrate`)")
-        frozen = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)
+        frozen = load_pask_table(table, "bfcl", fingerprint, allow_transfer)
         make_pask_policy(frozen, budget)
         return lambda: make_pask_policy(frozen, budget)
     if make_policy(name, budget, config) is None:
@@ -618,6 +624,8 @@ def serve(
         raise PaskError(f"--capacity-tokens must be >= 1, got {capacity_tokens}")
     if policy != "pask":
         serving_policy_factory(policy, budget, policy_config)  # fail before the model loads
+    elif table is None:
+        raise PaskError("--policy pask needs --table FILE (made by `pask calibrate --task bfcl`)")
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
     factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)

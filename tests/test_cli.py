@@ -105,6 +105,23 @@ def test_pask_policy_needs_a_table(tmp_path):
     assert res.exit_code == 2 and "--table" in res.output
 
 
+def test_serving_pask_needs_a_function_calling_table():
+    """``pask serve --policy pask`` fails before the model loads without a table; an SQL table is refused."""
+    from pathlib import Path
+
+    from pask.cli import serving_policy_factory
+    from pask.errors import PaskError
+    from pask.policies import PaskPolicy
+
+    res = _run("serve", "--policy", "pask")
+    assert res.exit_code == 2 and "--table" in res.output
+    tables = Path(__file__).resolve().parents[1] / "tables"
+    with pytest.raises(PaskError, match="calibrated for task 'sql', not 'bfcl'"):
+        serving_policy_factory("pask", None, None, tables / "qwen2.5-coder-0.5b-sql-b0.4.json")
+    factory = serving_policy_factory("pask", 0.33, None, tables / "qwen2.5-coder-0.5b-bfcl-b0.33.json")
+    assert isinstance(factory(), PaskPolicy) and factory() is not factory()  # one instance per request
+
+
 def test_calibrate_refuses_test_split_and_bad_budget(tmp_path):
     res = _run("calibrate", "--split", "test", "--out", str(tmp_path / "t.json"))
     assert res.exit_code == 2
