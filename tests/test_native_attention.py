@@ -15,11 +15,12 @@ from pask.kv.attention import tiered_attention_reference
 from pask.kv.cache import attention_config
 
 
-def _layer(hkv, grp, d, lengths, mixes, seed=0, key_scale=1.0, window=4):
+def _layer(hkv, grp, d, lengths, mixes, seed=0, key_scale=1.0, window=4, bits=4):
     """A one-layer bf16 cache with one row per length, tiers drawn from each row's (H, L, R) mix."""
     gen = torch.Generator().manual_seed(seed)
     n = max(lengths)
-    cache = TieredCache(attention_config(hkv, grp, d), CacheConfig(num_groups=1, recent_window=window), len(lengths))
+    cfg = CacheConfig(num_groups=1, recent_window=window, low_bits=bits)
+    cache = TieredCache(attention_config(hkv, grp, d), cfg, len(lengths))
     cache.begin_prefill([n - x for x in lengths])
     k = (torch.randn(len(lengths), hkv, n, d, generator=gen) * key_scale).to(torch.bfloat16)
     v = torch.randn(len(lengths), hkv, n, d, generator=gen).to(torch.bfloat16)
@@ -61,10 +62,12 @@ def test_kernel_builds_where_a_compiler_exists():
     lengths=st.lists(st.integers(1, 300), min_size=1, max_size=3),
     mix=st.sampled_from([(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.34, 0.33, 0.33), (0.0, 0.5, 0.5), (0.0, 0.0, 1.0)]),
     seed=st.integers(0, 2**16),
+    bits=st.sampled_from([4, 2]),
 )
-def test_matches_reference_on_random_tiers(native, shape, lengths, mix, seed):
+def test_matches_reference_on_random_tiers(native, shape, lengths, mix, seed, bits):
+    """INT4 and INT2 L tiers (the INT2 tier token-major, scored one token at a time)."""
     hkv, grp, d = shape
-    _, layer = _layer(hkv, grp, d, lengths, [mix] * len(lengths), seed=seed)
+    _, layer = _layer(hkv, grp, d, lengths, [mix] * len(lengths), seed=seed, bits=bits)
     q = torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     assert na.applies(q, layer)
     got = na.decode_layer(layer, q, d**-0.5)
@@ -76,6 +79,15 @@ def test_matches_reference_on_random_tiers(native, shape, lengths, mix, seed):
 def test_large_scores_stay_finite_and_exact(native):
     """Scores in the hundreds: the online softmax must rescale, not overflow."""
     _, layer = _layer(2, 7, 64, [700, 129], [(0.3, 0.6, 0.1), (0.0, 1.0, 0.0)], key_scale=40.0)
+    q = (torch.randn(2, 14, 1, 64) * 3).to(torch.bfloat16)
+    got = na.decode_layer(layer, q, 0.125)[:, 0].float()
+    want = _reference(layer, q, 0.125)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 0.02 * max(1.0, float(want.abs().max()))
+
+
+def test_int2_large_scores_and_a_long_tier(native):
+    _, layer = _layer(2, 7, 64, [700, 65], [(0.2, 0.7, 0.1), (0.0, 1.0, 0.0)], key_scale=30.0, bits=2)
     q = (torch.randn(2, 14, 1, 64) * 3).to(torch.bfloat16)
     got = na.decode_layer(layer, q, 0.125)[:, 0].float()
     want = _reference(layer, q, 0.125)

@@ -6,7 +6,7 @@ Storage (per layer, per sequence, no padding held; see :mod:`pask.kv.storage`):
 * L tier: INT4 codes (two per byte, keys in 64-slot d-major blocks, values per scale group as
   adjacent pairs: the layouts PyTorch's CPU int4 GEMM reads) + per (token, group) scale and zero;
   with ``CacheConfig.low_bits = 2`` INT2 codes instead (four per byte, token-major), read by the
-  reference attention (the native, fused and Triton kernels serve INT4 only).
+  native decode kernel and the reference attention (the fused and Triton kernels serve INT4 only).
 
 Each tier is dense: slots ``[0, n)`` are live. Appends write at the tail and double the
 capacity when full (amortised O(1) per token); removals move the last live slots into the

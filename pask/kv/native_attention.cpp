@@ -10,6 +10,9 @@
 //            vq     [Hkv, D/32, lcap, 16] u8: a group's 32 value codes as adjacent pairs
 //            vs, vz [Hkv, D/32, lcap] bf16: v = c * scale + zero
 //            kbal   [Hkv, 2, D] f32 (mid, bal): k = k' * bal + mid
+//   L tier at 2 bits (bits == 2, KIVI-2): kq [Hkv, lcap, D/4] u8, token-major, byte j holds codes
+//            4j..4j+3 at bit offsets 0, 2, 4, 6; k' = (c - 2) * scale + zero; ksz as above;
+//            vq [Hkv, D/32, lcap, 8] u8 (a group's 32 codes, four per byte); vs, vz as above
 //
 // Scores of INT4 keys never dequantise a key: with qs = q * bal * scaling,
 //   q.k * scaling = sum_g [scale_g * (qs_g . c_g) + (zero_g - 8 scale_g) * sum(qs_g)] + q.mid * scaling,
@@ -487,19 +490,101 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
   }
 }
 
+// The INT2 tier (bits == 2): token-major codes, scored one token at a time (no blocked layout).
+void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap;
+  const uint8_t* KQ = s.kq + static_cast<int64_t>(h) * cap * (D / 4);
+  const uint16_t* KSZ = s.ksz + static_cast<int64_t>(h) * G * cap * 2;
+  const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 4);
+  const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
+  const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
+  const float* mid = s.kbal + static_cast<int64_t>(h) * 2 * D;
+  const float* bal = mid + D;
+  alignas(64) float qs[MAXR][MAXD];
+  alignas(64) float qsum[MAXD / QG][MAXR];
+  alignas(64) float cst[MAXR];
+  for (int r = 0; r < grp; ++r) {
+    float c = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      qs[r][d] = qf[r][d] * bal[d] * scaling;
+      c += qf[r][d] * mid[d];
+    }
+    cst[r] = c * scaling;
+    for (int g = 0; g < G; ++g) {
+      float t = 0.0f;
+      for (int d = g * QG; d < (g + 1) * QG; ++d) t += qs[r][d];
+      qsum[g][r] = t;
+    }
+  }
+  alignas(64) float kc[MAXD];
+  alignas(64) float vc[QG];
+  for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
+    const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
+    for (int t = 0; t < nt; ++t) {
+      const int64_t slot = t0 + t;
+      const uint8_t* row = KQ + slot * (D / 4);
+      for (int j = 0; j < D / 4; ++j) {
+        const uint8_t b = row[j];
+        kc[4 * j] = static_cast<float>(b & 3);
+        kc[4 * j + 1] = static_cast<float>((b >> 2) & 3);
+        kc[4 * j + 2] = static_cast<float>((b >> 4) & 3);
+        kc[4 * j + 3] = static_cast<float>(b >> 6);
+      }
+      for (int r = 0; r < grp; ++r) st.sc[r][t] = cst[r];
+      for (int g = 0; g < G; ++g) {
+        const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + slot) * 2;
+        const float scl = bf2f(sz[0]);
+        const float off = bf2f(sz[1]) - 2.0f * scl;
+        for (int r = 0; r < grp; ++r) {
+          const float* q = qs[r] + g * QG;
+          const float* c = kc + g * QG;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int d = 0; d < QG; ++d) dot += q[d] * c[d];
+          st.sc[r][t] += scl * dot + off * qsum[g][r];
+        }
+      }
+    }
+    st.absorb(nt);
+    for (int g = 0; g < G; ++g) {
+      const int64_t base = static_cast<int64_t>(g) * cap + t0;
+      for (int t = 0; t < nt; ++t) {
+        const uint8_t* b = VQ + (base + t) * (QG / 4);
+        for (int j = 0; j < QG / 4; ++j) {
+          vc[4 * j] = static_cast<float>(b[j] & 3);
+          vc[4 * j + 1] = static_cast<float>((b[j] >> 2) & 3);
+          vc[4 * j + 2] = static_cast<float>((b[j] >> 4) & 3);
+          vc[4 * j + 3] = static_cast<float>(b[j] >> 6);
+        }
+        const float vsf = bf2f(VS[base + t]), vzf = bf2f(VZ[base + t]);
+        for (int r = 0; r < grp; ++r) {
+          const float p = st.sc[r][t];
+          const float w = p * vsf;
+          float* a = st.acc[r] + g * QG;
+#pragma omp simd
+          for (int j = 0; j < QG; ++j) a[j] += w * vc[j];
+          st.zs[r][g] += p * vzf;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// Returns 0, or -1 for an unsupported shape (nothing written).
+// Returns 0, or -1 for an unsupported shape (nothing written). bits: the L tier's code width (4 or 2).
 // q, out: [nseq, hkv * grp, D] (q bf16, out f32); per-sequence arrays of pointers (null = no tier /
 // finished sequence) and slot counts. A sequence with neither tier gets zeros.
 int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const uint16_t* q,
                       const void* const* kh, const void* const* vh, const int64_t* hcap, const int64_t* hn,
                       const void* const* kq, const void* const* ksz, const void* const* vq,
                       const void* const* vs, const void* const* vz, const int64_t* lcap, const int64_t* ln,
-                      const void* const* kbal, float* out, int nthreads) {
+                      const void* const* kbal, float* out, int nthreads, int bits) {
   if (D % QG != 0 || D > MAXD || D <= 0 || grp < 1 || grp > MAXR || hkv < 1 || nseq < 0) return -1;
+  if (bits != 4 && bits != 2) return -1;
   const int ntask = nseq * hkv;
   const int64_t rows = static_cast<int64_t>(hkv) * grp;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
@@ -525,7 +610,10 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
     State st;
     st.init(grp, D);
     if (s.hn > 0) h_stream(st, qb, qh, scaling, s, h);
-    if (s.ln > 0) l_stream(st, qf, scaling, s, h);
+    if (s.ln > 0) {
+      if (bits == 2) l2_stream(st, qf, scaling, s, h);
+      else l_stream(st, qf, scaling, s, h);
+    }
     st.write(o);
   }
   return 0;

@@ -90,7 +90,7 @@ def _load() -> ctypes.CDLL:
     f = lib.pask_decode_layer
     vp, i64 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
     f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp, vp, i64, i64] + [vp] * 5 + [i64, i64, vp, vp]
-    f.argtypes += [ctypes.c_int]
+    f.argtypes += [ctypes.c_int, ctypes.c_int]
     f.restype = ctypes.c_int
     m = lib.pask_move_to_int4
     m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
@@ -113,9 +113,9 @@ def _probe() -> str:
     from pask.kv.cache import CacheConfig, TieredCache, attention_config
 
     gen = torch.Generator().manual_seed(0)
-    for hkv, grp, d, n in ((2, 7, 64, 200), (1, 3, 128, 70)):
+    for hkv, grp, d, n, bits in ((2, 7, 64, 200, 4), (1, 3, 128, 70, 4), (2, 7, 64, 150, 2)):
         cfg = attention_config(hkv, grp, d)
-        cache = TieredCache(cfg, CacheConfig(num_groups=1, recent_window=2), 1)
+        cache = TieredCache(cfg, CacheConfig(num_groups=1, recent_window=2, low_bits=bits), 1)
         k = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
         v = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
         cache.update(k, v, 0)
@@ -164,7 +164,7 @@ def applies(query: torch.Tensor, layer) -> bool:
         and query.shape[-1] <= MAX_DIM
         and grp <= MAX_ROWS
         and cfg.quant_group == GROUP
-        and cfg.low_bits == 4
+        and cfg.low_bits in (2, 4)
         and available()
     )
 
@@ -225,6 +225,7 @@ def decode_layer(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         ptrs["kbal"],
         out.data_ptr(),
         torch.get_num_threads(),
+        layer.cache.config.low_bits,
     )
     if rc != 0:
         raise RuntimeError(f"native attention rejected the shape (Hkv {hkv}, Hq {hq}, D {d})")
