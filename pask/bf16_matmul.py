@@ -11,7 +11,10 @@ also accumulates in), at the price of upcasting the weight per call. Decode step
 keep the native bf16 GEMV, which is cheaper than upcasting the weight there.
 
 ``PASK_BF16_MATMUL`` selects the mode: ``auto`` (default: fp32 compute only where the CPU lacks
-BF16 instructions), ``fp32`` (always) or ``native`` (never).
+BF16 instructions), ``fp32`` (always), ``native`` (never) or ``fp32-weights``: every bf16 linear
+also keeps an fp32 copy of its weight (3x the weight memory: bf16 + fp32) and uses it for every
+input, decode steps included; on the 2-core AVX2 EPYC a batch-16 decode step of qwen2.5-coder-0.5b
+takes 458 ms instead of 942 ms. Outputs stay bf16 in every mode.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 from pask.errors import PaskError
 
 MIN_ROWS = 32  # rows of input from which the fp32 product is faster than the native bf16 GEMM
-MODES = ("auto", "fp32", "native")
+MODES = ("auto", "fp32", "fp32-weights", "native")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -62,6 +65,13 @@ def _fp32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
 
 
+def _fp32_weights_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.bfloat16:
+        return F.linear(x, self.weight, self.bias)
+    bias = None if self.bias is None else self.bias.float()
+    return F.linear(x.float(), self.pask_weight_fp32, bias).to(torch.bfloat16)
+
+
 def apply(model: torch.nn.Module, how: str | None = None) -> int:
     """Give the bf16 ``nn.Linear`` layers of ``model`` fp32 products where the mode asks for it.
 
@@ -76,6 +86,11 @@ def apply(model: torch.nn.Module, how: str | None = None) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu":
-            mod.forward = types.MethodType(_fp32_forward, mod)
+            if how == "fp32-weights":
+                if "pask_weight_fp32" not in mod._buffers:
+                    mod.register_buffer("pask_weight_fp32", mod.weight.detach().float(), persistent=False)
+                mod.forward = types.MethodType(_fp32_weights_forward, mod)
+            else:
+                mod.forward = types.MethodType(_fp32_forward, mod)
             n += 1
     return n

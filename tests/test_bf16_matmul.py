@@ -39,6 +39,19 @@ def test_fp32_mode_computes_in_fp32_on_bf16_values_and_keeps_small_inputs_native
     assert torch.equal(lin(batched), F.linear(batched.float(), lin.weight.float(), lin.bias.float()).bfloat16())
 
 
+def test_fp32_weights_mode_keeps_an_fp32_copy_and_uses_it_for_every_input():
+    m = _mlp()
+    lin = m[0]
+    x = torch.randn(40, 64).bfloat16()
+    assert bf16_matmul.apply(m, "fp32-weights") == 2
+    assert lin.pask_weight_fp32.dtype == torch.float32 and torch.equal(lin.pask_weight_fp32, lin.weight.float())
+    assert "pask_weight_fp32" not in lin.state_dict()  # not persistent: checkpoints unchanged
+    for rows in (x, x[:3]):  # decode-sized inputs too
+        want = F.linear(rows.float(), lin.weight.float(), lin.bias.float()).bfloat16()
+        assert torch.equal(lin(rows), want)
+    assert bf16_matmul.apply(m, "fp32-weights") == 2  # idempotent: one copy
+
+
 def test_native_mode_fp32_models_and_auto_on_bf16_cpus_change_nothing(monkeypatch):
     assert bf16_matmul.apply(_mlp(), "native") == 0
     assert bf16_matmul.apply(_mlp(torch.float32), "fp32") == 0
@@ -54,7 +67,7 @@ def test_mode_comes_from_the_environment_and_bad_values_are_clear_errors(monkeyp
     monkeypatch.delenv("PASK_BF16_MATMUL")
     assert bf16_matmul.mode() == "auto"
     monkeypatch.setenv("PASK_BF16_MATMUL", "fast")
-    with pytest.raises(PaskError, match="PASK_BF16_MATMUL must be one of auto, fp32, native"):
+    with pytest.raises(PaskError, match="PASK_BF16_MATMUL must be one of auto, fp32, fp32-weights, native"):
         bf16_matmul.mode()
     with pytest.raises(PaskError, match="mode must be one of"):
         bf16_matmul.apply(_mlp(), "fast")
