@@ -388,20 +388,14 @@ void h_stream(State& st, const uint16_t* qb, const float (*qh)[MAXD], float scal
   }
 }
 
-void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
-  const int D = st.D, grp = st.grp, G = st.G;
-  const int64_t cap = s.lcap;
-  const uint8_t* KQ = s.kq + static_cast<int64_t>(h) * (cap / BT) * D * (BT / 2);
-  const uint16_t* KSZ = s.ksz + static_cast<int64_t>(h) * G * cap * 2;
-  const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 2);
-  const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
-  const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
-  const float* mid = s.kbal + static_cast<int64_t>(h) * 2 * D;
-  const float* bal = mid + D;
-  alignas(64) float qs[MAXR][MAXD];
-  alignas(64) float qsum[MAXD / QG][MAXR];
-  alignas(64) float cst[MAXR];
-  for (int r = 0; r < grp; ++r) {
+// The query rows of one kv head against balanced L-tier keys (k = k' * bal + mid): qs = q * bal *
+// scaling, qsum[g] = sum of qs over group g, cst = scaling * q . mid (shared by the INT4 and INT2 streams).
+void balanced_query(const State& st, const float (*qf)[MAXD], float scaling, const float* kbal, float (*qs)[MAXD],
+                    float (*qsum)[MAXR], float* cst) {
+  const int D = st.D, G = st.G;
+  const float* mid = kbal;
+  const float* bal = kbal + D;
+  for (int r = 0; r < st.grp; ++r) {
     float c = 0.0f;
     for (int d = 0; d < D; ++d) {
       qs[r][d] = qf[r][d] * bal[d] * scaling;
@@ -414,6 +408,20 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
       qsum[g][r] = t;
     }
   }
+}
+
+void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap;
+  const uint8_t* KQ = s.kq + static_cast<int64_t>(h) * (cap / BT) * D * (BT / 2);
+  const uint16_t* KSZ = s.ksz + static_cast<int64_t>(h) * G * cap * 2;
+  const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 2);
+  const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
+  const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
+  alignas(64) float qs[MAXR][MAXD];
+  alignas(64) float qsum[MAXD / QG][MAXR];
+  alignas(64) float cst[MAXR];
+  balanced_query(st, qf, scaling, s.kbal + static_cast<int64_t>(h) * 2 * D, qs, qsum, cst);
   alignas(64) float a[MAXR][BT];
   alignas(64) float codes[BT];
   alignas(64) float scl[BT], off[BT], vsf[BT], vzf[BT];
@@ -499,24 +507,10 @@ void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, 
   const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 4);
   const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
   const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
-  const float* mid = s.kbal + static_cast<int64_t>(h) * 2 * D;
-  const float* bal = mid + D;
   alignas(64) float qs[MAXR][MAXD];
   alignas(64) float qsum[MAXD / QG][MAXR];
   alignas(64) float cst[MAXR];
-  for (int r = 0; r < grp; ++r) {
-    float c = 0.0f;
-    for (int d = 0; d < D; ++d) {
-      qs[r][d] = qf[r][d] * bal[d] * scaling;
-      c += qf[r][d] * mid[d];
-    }
-    cst[r] = c * scaling;
-    for (int g = 0; g < G; ++g) {
-      float t = 0.0f;
-      for (int d = g * QG; d < (g + 1) * QG; ++d) t += qs[r][d];
-      qsum[g][r] = t;
-    }
-  }
+  balanced_query(st, qf, scaling, s.kbal + static_cast<int64_t>(h) * 2 * D, qs, qsum, cst);
   alignas(64) float kc[MAXD];
   alignas(64) float vc[QG];
   for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
