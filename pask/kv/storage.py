@@ -44,15 +44,13 @@ class CopyStats:
 
 
 SCALE_DTYPE = torch.bfloat16  # INT4-tier scales/zeros: 2 bytes like fp16, and what the int4 GEMM reads
-KEY_ZERO_POINT = 8  # key codes dequantise as (c - 8) * scale + zero, as PyTorch's int4 GEMM does
+BLOCK = 64  # INT4 key block: 64 token slots, stored d-major (see _BlockedCodes)
 
 
 def key_zero_point(bits: int) -> int:
-    """Zero point of ``bits``-bit key codes: 8 for INT4 (the int4 GEMM's), 2 for INT2."""
+    """Zero point of ``bits``-bit key codes (``k' = (c - zp) * scale + zero``): 8 for INT4, as PyTorch's
+    int4 GEMM reads them, 2 for INT2."""
     return 1 << (bits - 1)
-
-
-BLOCK = 64  # INT4 key block: 64 token slots, stored d-major (see _BlockedCodes)
 
 
 class _Plain:
