@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/bf16_matmul.py [--model qwen2.5-coder-0.5b] [--prompt 512] [--threads 2]
 
-Loads the model in bf16 twice (``PASK_BF16_MATMUL=native`` and ``fp32``) and times, interleaved,
-a prefill of ``--prompt`` tokens (batch 1) and a decode step at batch 8 over ``--context`` cached
-tokens; also the largest logit difference of the prefill between the two modes and whether the
-greedy token agrees. Writes ``benchmarks/results/bf16_matmul.{json,md}``.
+Loads the model in bf16 once per mode (``PASK_BF16_MATMUL=native``, ``fp32`` and
+``fp32-weights``) and times, interleaved, a prefill of ``--prompt`` tokens (batch 1) and decode
+steps at each of ``--batches`` over ``--context`` cached tokens; also the largest logit difference
+of the prefill against the native mode and whether the greedy token agrees. Writes
+``benchmarks/results/bf16_matmul.{json,md}``.
 """
 
 from __future__ import annotations
@@ -43,14 +44,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", default="8,16", help="decode batch sizes, comma-separated")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 20000, (1, args.prompt), generator=gen)
-    ctx = torch.randint(100, 20000, (8, args.context), generator=gen)
-    step = torch.randint(100, 20000, (8, 1), generator=gen)
+    ctx = torch.randint(100, 20000, (max(batches), args.context), generator=gen)
+    step = torch.randint(100, 20000, (max(batches), 1), generator=gen)
     models = {}
-    for how in ("native", "fp32"):
+    for how in ("native", "fp32", "fp32-weights"):
         lm = load_model(args.model, dtype=torch.bfloat16)
         for mod in lm.model.modules():  # load_model applied the auto mode: start from native
             mod.__dict__.pop("forward", None)
@@ -60,21 +63,24 @@ def main() -> None:
     with torch.inference_mode():
         for how, m in models.items():
             logits[how] = m(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
-            cache = m(input_ids=ctx, use_cache=True).past_key_values
-            rows[how] = {"cache": cache}
-        for _ in range(args.repeats):  # interleaved: machine drift hits both modes alike
+            rows[how] = {"cache": {b: m(input_ids=ctx[:b], use_cache=True).past_key_values for b in batches}}
+        for _ in range(args.repeats):  # interleaved: machine drift hits every mode alike
             for how, m in models.items():
                 r = rows[how]
                 r.setdefault("prefill", []).append(_time(lambda m=m: m(input_ids=ids, logits_to_keep=1), 1))
-                r.setdefault("step", []).append(
-                    _time(lambda m=m, r=r: m(input_ids=step, cache=r["cache"], use_cache=False), 1)
-                )
+                for b in batches:
+                    r.setdefault(b, []).append(
+                        _time(lambda m=m, c=r["cache"][b], b=b: m(input_ids=step[:b], cache=c, use_cache=False), 1)
+                    )
     res = {
-        how: {"prefill_s": statistics.median(r["prefill"]), "decode_step_ms": 1e3 * statistics.median(r["step"])}
+        how: {
+            "prefill_s": statistics.median(r["prefill"]),
+            "decode_step_ms": {str(b): 1e3 * statistics.median(r[b]) for b in batches},
+        }
         for how, r in rows.items()
     }
-    diff = float((logits["native"] - logits["fp32"]).abs().max())
-    same = int(logits["native"].argmax()) == int(logits["fp32"].argmax())
+    diff = {h: float((logits["native"] - logits[h]).abs().max()) for h in models if h != "native"}
+    same = {h: int(logits["native"].argmax()) == int(logits[h].argmax()) for h in models if h != "native"}
     command = "python benchmarks/bf16_matmul.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out = {
         "command": command,
@@ -91,22 +97,34 @@ def main() -> None:
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "bf16_matmul.json").write_text(json.dumps(out, indent=2) + "\n")
-    n, f = res["native"], res["fp32"]
+    n = res["native"]
+    names = {"native": "native bf16", "fp32": "fp32 products (`auto` here)", "fp32-weights": "fp32 weight copy"}
+    head = f"| mode | prefill of {args.prompt} tokens (s) | " + " | ".join(
+        f"decode step, batch {b} (ms)" for b in batches
+    )
     lines = [
         f"# bf16 {args.model}: native bf16 GEMMs vs fp32 products ({args.threads} threads)",
         "",
         f"Command: `{command}`  ",
         f"CPU capability {out['torch_cpu_capability']}, BF16 arithmetic: {out['cpu_bf16']}. Medians of "
-        f"{args.repeats} interleaved runs.",
+        f"{args.repeats} interleaved runs; speed-ups against native bf16 in brackets; decode steps over "
+        f"{args.context} cached tokens.",
         "",
-        "| mode | prefill of " + str(args.prompt) + " tokens (s) | decode step, batch 8 (ms) |",
-        "|---|---:|---:|",
-        f"| native bf16 | {n['prefill_s']:.2f} | {n['decode_step_ms']:.1f} |",
-        f"| fp32 products | {f['prefill_s']:.2f} | {f['decode_step_ms']:.1f} |",
-        f"| speed-up | {n['prefill_s'] / f['prefill_s']:.2f}x | {n['decode_step_ms'] / f['decode_step_ms']:.2f}x |",
+        head + " | largest prefill logit difference vs native | same greedy token |",
+        "|---|---:|" + "---:|" * len(batches) + "---:|---|",
+    ]
+    for how, r in res.items():
+        cells = [f"{r['prefill_s']:.2f} ({n['prefill_s'] / r['prefill_s']:.2f}x)"] + [
+            f"{r['decode_step_ms'][str(b)]:.1f} ({n['decode_step_ms'][str(b)] / r['decode_step_ms'][str(b)]:.2f}x)"
+            for b in batches
+        ]
+        extra = ["", ""] if how == "native" else [f"{diff[how]:.3f}", str(same[how])]
+        lines.append(f"| {names[how]} | " + " | ".join(cells + extra) + " |")
+    lines += [
         "",
-        f"Largest logit difference of the prefill: {diff:.3f}; same greedy token: {same}. Decode steps "
-        f"(8 rows < {bf16_matmul.MIN_ROWS}) keep the native GEMV in both modes.",
+        f"`fp32` keeps the native GEMV for inputs under {bf16_matmul.MIN_ROWS} rows (decode steps); "
+        "`fp32-weights` keeps an fp32 copy of every linear weight (3x the weight memory) and uses it "
+        "for every input.",
     ]
     (OUT / "bf16_matmul.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -13,8 +13,9 @@ keep the native bf16 GEMV, which is cheaper than upcasting the weight there.
 ``PASK_BF16_MATMUL`` selects the mode: ``auto`` (default: fp32 compute only where the CPU lacks
 BF16 instructions), ``fp32`` (always), ``native`` (never) or ``fp32-weights``: every bf16 linear
 also keeps an fp32 copy of its weight (3x the weight memory: bf16 + fp32) and uses it for every
-input, decode steps included (faster decode GEMVs where bf16 ones are slow, for 3x the weight
-memory; not benchmarked yet). Outputs stay bf16 in every mode.
+input, decode steps included (faster decode GEMVs where bf16 ones are slow: on the AVX2 machine a
+batch-16 decode step of qwen2.5-coder-0.5b takes 644 ms against 1044 ms native, batch 8 458 vs
+541 ms; ``benchmarks/results/bf16_matmul.md``). Outputs stay bf16 in every mode.
 """
 
 from __future__ import annotations
