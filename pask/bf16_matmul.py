@@ -60,17 +60,14 @@ def mode() -> str:
 
 
 def _fp32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.bfloat16 or x.numel() < MIN_ROWS * x.shape[-1]:
+    """The fp32 product on bf16 inputs: with the resident fp32 weight copy for every input where
+    the layer has one (``fp32-weights``), else upcasting the weight for inputs of ``MIN_ROWS`` rows
+    or more; other inputs take the native GEMM."""
+    w32 = self._buffers.get("pask_weight_fp32")
+    if x.dtype != torch.bfloat16 or (w32 is None and x.numel() < MIN_ROWS * x.shape[-1]):
         return F.linear(x, self.weight, self.bias)
     bias = None if self.bias is None else self.bias.float()
-    return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
-
-
-def _fp32_weights_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.bfloat16:
-        return F.linear(x, self.weight, self.bias)
-    bias = None if self.bias is None else self.bias.float()
-    return F.linear(x.float(), self.pask_weight_fp32, bias).to(torch.bfloat16)
+    return F.linear(x.float(), self.weight.float() if w32 is None else w32, bias).to(torch.bfloat16)
 
 
 def apply(model: torch.nn.Module, how: str | None = None) -> int:
@@ -87,11 +84,8 @@ def apply(model: torch.nn.Module, how: str | None = None) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu":
-            if how == "fp32-weights":
-                if "pask_weight_fp32" not in mod._buffers:
-                    mod.register_buffer("pask_weight_fp32", mod.weight.detach().float(), persistent=False)
-                mod.forward = types.MethodType(_fp32_weights_forward, mod)
-            else:
-                mod.forward = types.MethodType(_fp32_forward, mod)
+            if how == "fp32-weights" and "pask_weight_fp32" not in mod._buffers:
+                mod.register_buffer("pask_weight_fp32", mod.weight.detach().float(), persistent=False)
+            mod.forward = types.MethodType(_fp32_forward, mod)
             n += 1
     return n
