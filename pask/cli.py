@@ -295,6 +295,10 @@ def calibrate(
     distortion_batches: Annotated[
         int | None, typer.Option(help="replay only N control batches (evenly spaced) for Runtime-D")
     ] = None,
+    probe_cases: Annotated[
+        int | None,
+        typer.Option(help="screened sensitivity: probe only N control-correct cases (spread over categories)"),
+    ] = None,
     batch_size: int = 8,
     dtype: str = "bf16",
     threads: int | None = None,
@@ -327,6 +331,7 @@ def calibrate(
             categories=cats,
             pool_groups=pool_groups,
             distortion_batches=distortion_batches,
+            probe_cases=probe_cases,
         )
     console.print(f"table: {out} (expected B {table.expected_b:.3f}); report: {report_path_for(out)}")
 

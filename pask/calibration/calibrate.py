@@ -27,6 +27,7 @@ from pathlib import Path
 from pask.calibration.buckets import POOLED, BucketPlan, plan_buckets
 from pask.calibration.control import run_control
 from pask.calibration.distortion import run_distortion
+from pask.calibration.screening import screen_all, screen_control_correct
 from pask.calibration.sensitivity import probe_policy, run_sensitivity
 from pask.calibration.solver import BucketInput, Solution, cost, solve
 from pask.calibration.table import FrozenTable
@@ -73,6 +74,7 @@ def calibrate(
     distortion: bool = True,
     pool_groups: bool = False,
     distortion_batches: int | None = None,
+    probe_cases: int | None = None,
 ) -> FrozenTable:
     """Calibrate a PASK table for ``lm`` on ``task``/``split`` under total budget ``budget``; see the module doc.
 
@@ -87,6 +89,10 @@ def calibrate(
     harms the task at most as much as harming all of them) and the pooled replay's distortion in
     its own group's layers (``d_per_group``, which also carries the upstream groups' change).
     ``distortion_batches``: replay only that many control batches (evenly spaced) for D.
+
+    ``probe_cases``: screened sensitivity (:mod:`pask.calibration.screening`): the probes run only
+    that many control-correct cases, spread over the categories, each flip weighted by its share of
+    the whole split's accuracy; the V resolution is then the largest single-flip weight.
     """
     if not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
@@ -113,6 +119,7 @@ def calibrate(
             "num_groups": num_groups,
             "recent_window": recent_window,
             "min_share": min_share,
+            **({"probe_cases": probe_cases} if probe_cases is not None else {}),
         },
     )
     t_start = time.perf_counter()
@@ -124,8 +131,14 @@ def calibrate(
     probes = plan.pooled() if pool_groups else [name for name, *_ in plan.buckets()]
     candidates = [(name, a) for name in probes for a in ("L", "R")]
 
+    n_pool = control.summary["overall"]["n"]
+    if probe_cases is None:
+        screen = screen_all([r.id for r in control.rows], n_pool)
+    else:
+        groups = {c.id: str(getattr(c, "category", None) or getattr(c, "difficulty", "all")) for c in cases}
+        screen = screen_control_correct({r.id: r.correct for r in control.rows}, groups, n_pool, probe_cases)
     v_recs, v_run = run_sensitivity(
-        lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress, hooks
+        lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress, hooks, screen
     )
     d_recs, d_run = {}, 0
     if distortion:
@@ -165,7 +178,7 @@ def calibrate(
     # Resolution rule: with n calibration cases V moves in steps of 1/n, so a tolerance finer than one
     # case cannot be measured (any single flip, including bf16 noise, would exceed it). The solver
     # uses max(alpha, 1/n); the table records both the nominal and the effective tolerances.
-    resolution = 1.0 / max(control.summary["overall"]["n"], 1)
+    resolution = screen.resolution
     eff_d, eff_p = max(alpha_d, resolution + 1e-9), max(alpha_p, resolution + 1e-9)
     sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost)
     actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
@@ -182,6 +195,8 @@ def calibrate(
         "pool_groups": pool_groups,
         "distortion_batches": distortion_batches,
         "v_resolution": resolution,
+        "probe_cases": probe_cases,
+        "probe_case_ids": screen.case_ids if screen.screened else None,
         "alpha_d_effective": eff_d,
         "alpha_p_effective": eff_p,
         "l_cost": l_cost,
@@ -300,7 +315,7 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
         f"Table: {sol.summary()}; L cost {meta['l_cost']:.5f}.",
         f"Tolerances alpha_D = {table.alpha_d}, alpha_P = {table.alpha_p} (effective "
         f"{meta.get('alpha_d_effective', table.alpha_d):.4f} / {meta.get('alpha_p_effective', table.alpha_p):.4f}: "
-        f"V resolution 1/n = {meta.get('v_resolution', 0):.4f}); {table.num_groups} layer groups; "
+        f"V resolution {meta.get('v_resolution', 0):.4f}: {_resolution_rule(meta)}); {table.num_groups} layer groups; "
         f"recent window {table.recent_window}; default action {table.default_action}.",
         f"All-H control accuracy: {100 * control.accuracy:.2f} % ({control.summary['overall']['correct']}/"
         f"{control.summary['overall']['n']}).",
@@ -371,6 +386,12 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
     else:
         lines.append("none")
     return "\n".join(lines) + "\n"
+
+
+def _resolution_rule(meta: dict) -> str:
+    if meta.get("probe_cases"):
+        return f"the largest single-flip weight of the {len(meta['probe_case_ids'])} screened probe cases"
+    return "1/n"
 
 
 def _md(name: str) -> str:

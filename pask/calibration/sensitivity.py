@@ -3,7 +3,9 @@
 For every candidate (q, a) the task runs on the calibration cases with a single-bucket probe: a
 :class:`~pask.policies.pask.PaskPolicy` over a table where only ``q``'s members get ``a`` and
 everything else stays H. ``V(q, a) = accuracy(all-H control) - accuracy(probe)`` as a fraction of
-the cases (0.05 = 5 pp; negative when the probe happens to do better).
+the cases (0.05 = 5 pp; negative when the probe happens to do better). With a screen
+(:mod:`pask.calibration.screening`) the probes run only the screened control-correct cases and V
+is their weighted flips.
 
 Resumable at two levels: ``work_dir/sensitivity.jsonl`` gets one line per finished candidate
 (finished candidates are skipped), and each candidate's run directory
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pask.calibration.screening import Screen, screen_all
 from pask.calibration.table import FrozenTable
 from pask.calibration.tasks import CalibrationTask, get_task
 from pask.evaluation.case_rows import read_done
@@ -53,24 +56,33 @@ def run_sensitivity(
     max_new_tokens: int = 384,
     progress: Callable[[str, int, int], None] | None = None,
     task: CalibrationTask | None = None,
+    screen: Screen | None = None,
 ) -> tuple[dict[tuple[str, str], dict], int]:
-    """V(q, a) for every candidate; returns (records by candidate, candidates computed by this call)."""
+    """V(q, a) for every candidate; returns (records by candidate, candidates computed by this call).
+
+    ``screen``: run the probes on its cases only and weigh their flips (default: every case of
+    ``cases`` that the control ran, weight 1 / n)."""
     task = task or get_task("bfcl")
+    n = control.summary["overall"]["n"]
+    ctrl = {r.id: r.correct for r in control.rows}
+    screen = screen or screen_all([c.id for c in cases if c.id in ctrl], n)
+    probed = [c for c in cases if c.id in screen.weights]
     path = work_dir / "sensitivity.jsonl"
     done = read_records(path)
     todo = [c for c in candidates if c not in done]
     if progress:
         progress("sensitivity", len(candidates) - len(todo), len(candidates))
-    ctrl_correct, n = control.summary["overall"]["correct"], control.summary["overall"]["n"]
+    ctrl_correct = control.summary["overall"]["correct"]
     with open(path, "a") as f:
         for bucket, action in todo:
             t0 = time.perf_counter()
             policy = probe_policy(plan, bucket, action, lm.fingerprint, plan.recent_window)
             meta = {"model": lm.name, "policy": f"pask probe {bucket} -> {action}"}
+            run_dir = work_dir / "sensitivity" / slug(bucket, action)
             s = task.run(
                 lm,
-                cases,
-                work_dir / "sensitivity" / slug(bucket, action),
+                probed if screen.screened else cases,
+                run_dir,
                 batch_size,
                 max_new_tokens,
                 policy,
@@ -78,12 +90,18 @@ def run_sensitivity(
                 meta,
             )
             correct = s["overall"]["correct"]
+            if screen.screened:
+                rows = read_done(run_dir / "cases.jsonl")
+                v = screen.v(ctrl, {i: bool(r["correct"]) for i, r in rows.items()})
+                control_correct = len(screen.weights)  # every screened case is control-correct
+            else:
+                v, control_correct = (ctrl_correct - correct) / max(n, 1), ctrl_correct
             rec = {
                 "bucket": bucket,
                 "action": action,
-                "v": (ctrl_correct - correct) / max(n, 1),
+                "v": v,
                 "correct": correct,
-                "control_correct": ctrl_correct,
+                "control_correct": control_correct,
                 "n": s["overall"]["n"],
                 "measured_b": s["measured_b"],
                 "wall_s": round(time.perf_counter() - t0, 3),
