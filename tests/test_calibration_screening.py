@@ -33,6 +33,10 @@ def test_screen_spreads_probes_by_control_correct_counts_and_weighs_flips_by_gro
     assert s.screened and s.case_ids == ["s0", "s1", "s2", "p3"]  # first correct cases in split order
     assert s.weights["s0"] == pytest.approx(6 / (16 * 3)) and s.weights["p3"] == pytest.approx(2 / 16)
     assert s.resolution == pytest.approx(2 / 16)
+    assert s.groups == {
+        "simple": {"control_correct": 6, "probed": 3, "weight": pytest.approx(6 / 48)},
+        "parallel": {"control_correct": 2, "probed": 1, "weight": pytest.approx(2 / 16)},
+    }
     assert sum(s.weights.values()) == pytest.approx(8 / 16)  # every probe flips -> V = control accuracy
     # one simple flip stands for 2 of the 6 right simple cases: 2/16 of the pool
     assert s.v(correct, {"s1": True, "s2": True, "p3": True}) == pytest.approx(2 / 16)

@@ -197,6 +197,7 @@ def calibrate(
         "v_resolution": resolution,
         "probe_cases": probe_cases,
         "probe_case_ids": screen.case_ids if screen.screened else None,
+        "probe_groups": screen.groups,
         "alpha_d_effective": eff_d,
         "alpha_p_effective": eff_p,
         "l_cost": l_cost,
@@ -345,6 +346,19 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
             "pooled replay's distortion in its own group.",
         ]
     lines.append("")
+    if meta.get("probe_groups"):
+        lines += [
+            "## Screened sensitivity",
+            "",
+            f"The probes ran {len(meta['probe_case_ids'])} of the control's right cases; each flip weighs "
+            "its group's share of the split's accuracy (control-wrong cases are not probed: gains are not measured).",
+            "",
+            "| group | control right | probed | weight of one flip |",
+            "|---|---:|---:|---:|",
+        ]
+        for g, row in meta["probe_groups"].items():
+            lines.append(f"| {g} | {row['control_correct']} | {row['probed']} | {row['weight']:.4f} |")
+        lines.append("")
     lines += ["## Sensitivity vs distortion (Table 16 layout)", ""]
     lines += ["| Action | Model-side score | Recall @20% | Mismatch 20,50 | buckets |", "|---|---|---:|---:|---:|"]
     for a, label in (("R", "Release $R$"), ("L", "Retain-low $L$")):

@@ -33,6 +33,7 @@ class Screen:
     weights: dict[str, float]  # probed case id -> weight of (control - probe) in V
     pool: int  # cases of the calibration split (schema errors included)
     screened: bool
+    groups: dict[str, dict] | None = None  # per group: control-correct, probed, flip weight
 
     @property
     def case_ids(self) -> list[str]:
@@ -71,11 +72,12 @@ def screen_control_correct(correct: Mapping[str, bool], groups: Mapping[str, str
     for _ in range(min(probes, total) - len(alloc)):  # D'Hondt: the next probe to the heaviest flip
         g = max((g for g in by_group if alloc[g] < len(by_group[g])), key=lambda g: (len(by_group[g]) / alloc[g], g))
         alloc[g] += 1
-    weights = {}
+    weights, summary = {}, {}
     for g, ids in by_group.items():
-        for i in ids[: alloc[g]]:
-            weights[i] = len(ids) / (pool * alloc[g])
-    return Screen(weights, pool, screened=True)
+        w = len(ids) / (pool * alloc[g])
+        weights.update(dict.fromkeys(ids[: alloc[g]], w))
+        summary[g] = {"control_correct": len(ids), "probed": alloc[g], "weight": w}
+    return Screen(weights, pool, screened=True, groups=summary)
 
 
 __all__ = ["Screen", "screen_all", "screen_control_correct"]
