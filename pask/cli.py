@@ -299,6 +299,8 @@ def calibrate(
         int | None,
         typer.Option(help="screened sensitivity: probe only N control-correct cases (spread over categories)"),
     ] = None,
+    alpha_d: Annotated[float, typer.Option(help="tolerance of decode buckets (accuracy drop, 0.05 = 5 pp)")] = 0.05,
+    alpha_p: Annotated[float, typer.Option(help="tolerance of prompt buckets (accuracy drop)")] = 0.02,
     batch_size: int = 8,
     dtype: str = "bf16",
     threads: int | None = None,
@@ -308,6 +310,9 @@ def calibrate(
 
     if not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    for name, a in (("--alpha-d", alpha_d), ("--alpha-p", alpha_p)):
+        if not 0 <= a < 1:
+            raise PaskError(f"{name} must be in [0, 1), got {a}")
     _threads(threads)
     with progress_bar() as bar:
         tasks: dict[str, int] = {}
@@ -332,6 +337,8 @@ def calibrate(
             pool_groups=pool_groups,
             distortion_batches=distortion_batches,
             probe_cases=probe_cases,
+            alpha_d=alpha_d,
+            alpha_p=alpha_p,
         )
     console.print(f"table: {out} (expected B {table.expected_b:.3f}); report: {report_path_for(out)}")
 

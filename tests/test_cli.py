@@ -127,6 +127,10 @@ def test_calibrate_refuses_test_split_and_bad_budget(tmp_path):
     assert res.exit_code == 2
     res = _run("calibrate", "--budget", "0", "--out", str(tmp_path / "t.json"))
     assert res.exit_code == 2 and "(0, 1]" in res.output
+    res = _run("calibrate", "--alpha-p", "1.5", "--out", str(tmp_path / "t.json"))
+    assert res.exit_code == 2 and "--alpha-p must be in [0, 1)" in res.output
+    res = _run("calibrate", "--alpha-d", "-0.1", "--out", str(tmp_path / "t.json"))
+    assert res.exit_code == 2 and "--alpha-d must be in [0, 1)" in res.output
 
 
 def test_tune_bad_input():
