@@ -169,6 +169,9 @@ def test_continuous_batching_equals_engine_alone(smol, policy):
     sch.close()
     assert [j.generated for j in jobs] == alone
     assert all(j.result is not None and j.result.token_ids == j.generated for j in jobs)
+    log = sch.step_log  # every decode step once, under its batch size
+    assert {1, 3} <= set(log) <= {1, 2, 3} and all(t > 0 for ts in log.values() for t in ts)
+    assert sum(b * len(ts) for b, ts in log.items()) == sum(j.decode_steps for j in jobs)
     if policy == "h2o":
         assert all(0.4 < j.budget["b_total"] < 0.7 for j in jobs)
     assert sch.snapshot()["kv_bytes_held"] == 0 and sch.cache.num_seqs == 0
@@ -423,6 +426,7 @@ def test_bench_serve_smoke(smol, tmp_path):
         assert 250 <= r["prompt_tokens_mean"] <= 700 and r["completion_tokens"] > 0
         assert 0 < r["prefill_s"] < r["wall_s"] and r["decode_tps"] > r["throughput_tps"] > 0
         assert 0 < r["step_ms"] <= r["tpot_ms"]  # TPOT also holds the stalls for the other request's prefill
+        assert (r["step_ms_at_c"] is None) == (r["steps_at_c"] == 0)
     assert full["decode_throughput_gain"] == 1.0 and full["step_speedup"] == 1.0
     assert snap["b_avg"] == pytest.approx(0.4, abs=0.05) and snap["peak_kv_ratio"] < 0.6
     assert 1.0 < snap["bandwidth_limit"] < 1.2

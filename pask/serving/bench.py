@@ -10,7 +10,9 @@ tool calls until the prompt reaches ``input_len`` tokens; ``tool_choice`` is ``r
 Reported per policy (paper Tables 13/14 layout): measured B, TPOT (server-side, per request, as a
 user sees it: it includes the stalls while other requests are prefilled), the decode-step time
 (mean wall time of the batched decode forwards, with the policy's decisions, that a request took
-part in: what the bandwidth model describes), throughput (generated tokens per second of wall
+part in: what the bandwidth model describes; and its median over the steps at the full batch,
+``concurrency`` requests, which does not depend on how many steps ran at smaller batches while
+requests arrived or left), throughput (generated tokens per second of wall
 time), peak KV bytes held, each relative to Full KV in the same run, and the bandwidth-model limit
 of the speed-up: the bytes one decode step reads, ``weights + c x context x KV bytes per token x
 B``, Full over the policy, at the mean decode context ``input_len + output_len / 2``. With a fixed
@@ -26,6 +28,7 @@ import contextlib
 import json
 import random
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +82,8 @@ class PolicyResult:
     wall_s: float = 0.0
     tpot_ms: float = 0.0  # mean per-request TPOT (server side; includes stalls for other requests' prefills)
     step_ms: float = 0.0  # mean per-request decode-step time (batched forward + policy; no prefills)
+    step_ms_at_c: float | None = None  # median decode-step time of the steps at batch = concurrency
+    steps_at_c: int = 0  # how many steps ran at batch = concurrency
     throughput_tps: float = 0.0  # generated tokens per second of wall time
     prefill_s: float = 0.0  # summed prefill time (prefills run one at a time in the scheduler's thread)
     decode_tps: float = 0.0  # generated tokens per second of wall time outside prefills
@@ -283,6 +288,7 @@ def run_policy(
         with httpx.Client(timeout=None) as c:  # warm-up (grammar kernels, first allocations)
             c.post(url, json={**bodies[0], "max_tokens": 2, "messages": bodies[0]["messages"][-1:]})
         service.scheduler.peak_held_bytes = service.scheduler.peak_running = 0
+        service.scheduler.step_log.clear()
         stop_at = time.time() + cfg.max_seconds
 
         def client(k: int) -> None:
@@ -319,6 +325,9 @@ def run_policy(
         sch = service.scheduler
         res.peak_kv_bytes, res.peak_running = sch.peak_held_bytes, sch.peak_running
         res.b_final = sch.snapshot()["b_finished"]
+        at_c = list(sch.step_log.get(cfg.concurrency, ()))
+        res.steps_at_c = len(at_c)
+        res.step_ms_at_c = statistics.median(at_c) if at_c else None
     finally:
         server.should_exit = True
         thread.join(60)
@@ -375,11 +384,13 @@ def bench_serve(
         limit = bandwidth_limit(weights, per_token, context, cfg.concurrency, b)
         speedup = ref.tpot_ms / r.tpot_ms if ref and r.tpot_ms else None
         step = ref.step_ms / r.step_ms if ref and r.step_ms else None
+        step_c = ref.step_ms_at_c / r.step_ms_at_c if ref and ref.step_ms_at_c and r.step_ms_at_c else None
         rows.append(
             {
                 **asdict(r),
                 "tpot_speedup": speedup,
                 "step_speedup": step,
+                "step_at_c_speedup": step_c,
                 "bandwidth_limit": limit,
                 "share_of_limit": (speedup - 1) / (limit - 1) if speedup and limit > 1 + 1e-9 else None,
                 "step_share_of_limit": (step - 1) / (limit - 1) if step and limit > 1 + 1e-9 else None,
@@ -406,9 +417,10 @@ def markdown(result: dict) -> str:
     head = (
         f"Serving, {result['model']}, c = {cfg['concurrency']}, input {cfg['input_len']}, output {cfg['output_len']}, "
         f"KV capacity {cap} tokens\n\n"
-        "| policy | B (avg) | TPOT ms | TPOT speed-up | step ms | step speed-up | bandwidth limit | throughput tok/s "
+        "| policy | B (avg) | TPOT ms | TPOT speed-up | step ms | step speed-up | step ms at batch c (steps) "
+        "| x Full | bandwidth limit | throughput tok/s "
         "| x Full | prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
 
     def f(x, fmt: str) -> str:
@@ -426,6 +438,8 @@ def markdown(result: dict) -> str:
             fx(r["tpot_speedup"]),
             f(r.get("step_ms"), ".1f"),
             fx(r.get("step_speedup")),
+            f"{f(r.get('step_ms_at_c'), '.1f')} ({r.get('steps_at_c', 0)})",
+            fx(r.get("step_at_c_speedup")),
             fx(r["bandwidth_limit"]),
             f(r["throughput_tps"], ".2f"),
             fx(r["throughput_gain"]),

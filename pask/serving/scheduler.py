@@ -42,6 +42,8 @@ from pask.policies.base import Policy
 from pask.serving.capacity import KVCapacity, kv_bytes_per_token, policy_target_b
 from pask.structure.constraint import allocate_mask, ll_tokenizer
 
+STEP_LOG = 4096  # decode-step times kept per batch size (the benchmark's per-batch medians)
+
 
 @dataclass
 class Job:
@@ -143,6 +145,7 @@ class Scheduler:
         self.peak_held_bytes = 0
         self.peak_running = 0
         self.steps = 0
+        self.step_log: dict[int, deque[float]] = {}  # batch size -> recent decode-step times (ms)
         self.finished_budget = [0, 0]  # held, full bytes of finished requests at their end
         self.listeners: list[Callable[[Job], None]] = []  # called with every finished job (metrics)
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe across threads: share this lock
@@ -284,6 +287,7 @@ class Scheduler:
             job.logits = out.logits[i, -1]
         self._track_peak()
         dt = (time.perf_counter() - t0) * 1e3
+        self.step_log.setdefault(len(jobs), deque(maxlen=STEP_LOG)).append(dt)
         for job in jobs:
             job.decode_ms += dt
             job.decode_steps += 1
