@@ -47,6 +47,23 @@ def test_infeasible_returns_floor_table():
     assert not sol.feasible
     assert sol.actions == sol.floors == {"a": "H", "b": "R"}
     assert sol.expected_b == pytest.approx(0.5) and sol.upgrades == []
+    assert sol.needs == {"alpha_p": None, "alpha_d": 0.5}  # only tolerating a's 50 pp drop fits
+    assert "fits with alpha_d >= 0.5000" in sol.summary()
+
+
+def test_infeasible_names_the_smallest_tolerance_that_fits():
+    buckets = [
+        B("p1", stage="P", w=0.4, vl=0.03, vr=0.08),  # L needs alpha_P >= 3 pp, R >= 8 pp
+        B("p2", stage="P", w=0.2, vl=0.01, vr=0.06),
+        B("d", stage="D", w=0.2, vl=0.5, vr=0.5),  # never cheaper within alpha_D
+    ]
+    sol = solve(buckets, target_b=0.35)  # floors H, L, H: 0.4 + 0.0625 + 0.2
+    assert not sol.feasible
+    # alpha_P = 0.03: p1 L, p2 L -> 0.125 + 0.0625 + 0.2 = 0.3875 > 0.35; 0.06: p2 R -> 0.325 fits
+    assert sol.needs["alpha_p"] == pytest.approx(0.06) and sol.needs["alpha_d"] is None
+    assert solve(buckets, target_b=0.35, alpha_p=sol.needs["alpha_p"]).feasible
+    assert not solve(buckets, target_b=0.35, alpha_p=0.059).feasible
+    assert solve(buckets, target_b=0.9).needs == {}  # feasible: nothing needed
 
 
 def test_budget_spent_by_distortion_per_cost():

@@ -229,6 +229,7 @@ def calibrate(
         "unmeasured_share": plan.base_share(),
         "skipped": plan.skipped,
         "feasible": sol.feasible,
+        "needs": sol.needs,
         "floor_b": sol.floor_b,
         "upgrades": sol.upgrades,
     }

@@ -25,7 +25,8 @@ Rules (exact):
    dearer", so R allowed implies L allowed.
 3. Start from the floor table. If its B already exceeds ``target_b``, the target is infeasible
    under the tolerances: the floor table is returned with ``feasible = False`` (the floors are
-   never broken to meet a budget).
+   never broken to meet a budget) and ``needs`` gives, per stage, the smallest tolerance of that
+   stage (the other kept) under which the floors fit the target (None: no tolerance does).
 4. Otherwise upgrade greedily while B stays <= ``target_b``: among every single upgrade of one
    bucket from its current action to a dearer one (R->L, R->H, L->H) whose added cost
    ``w_q * (cost(new) - cost(cur))`` still fits, take the one with the largest distortion
@@ -75,10 +76,14 @@ class Solution:
     v_eff: dict[str, dict[str, float]]
     d_eff: dict[str, dict[str, float]]
     upgrades: list[dict] = field(default_factory=list)  # in the order taken
+    needs: dict[str, float | None] = field(default_factory=dict)  # infeasible: {"alpha_p": .., "alpha_d": ..}
 
     def summary(self) -> str:
         n = {a: sum(x == a for x in self.actions.values()) for a in ORDER}
         state = "feasible" if self.feasible else "INFEASIBLE: the floors alone exceed the target"
+        if self.needs:
+            fits = [f"{k} >= {v:.4f}" for k, v in self.needs.items() if v is not None]
+            state += "; it fits with " + (" or ".join(fits) if fits else "no tolerance of one stage")
         return (
             f"target B {self.target_b:.4f}, floors B {self.floor_b:.4f}, expected B {self.expected_b:.4f} ({state}); "
             f"buckets H/L/R = {n['H']}/{n['L']}/{n['R']}, {len(self.upgrades)} upgrades"
@@ -133,6 +138,10 @@ def solve(
     floor_b = expected_b(actions, buckets, base_b, l_cost)
     sol = Solution(actions, floors, floor_b, floor_b, target_b, floor_b <= target_b + 1e-12, v_eff, d_eff)
     if not sol.feasible:
+        sol.needs = {
+            "alpha_p": _needed(buckets, v_eff, "P", alpha_p, alpha_d, target_b, base_b, l_cost),
+            "alpha_d": _needed(buckets, v_eff, "D", alpha_p, alpha_d, target_b, base_b, l_cost),
+        }
         return sol
     b_now = floor_b
     eps = 1e-12
@@ -166,3 +175,14 @@ def solve(
         )
     sol.expected_b = expected_b(actions, buckets, base_b, l_cost)
     return sol
+
+
+def _needed(buckets, v_eff, stage, alpha_p, alpha_d, target_b, base_b, l_cost) -> float | None:
+    """The smallest tolerance of ``stage`` (the other stage's kept) whose floor table fits ``target_b``."""
+    cands = sorted({v for b in buckets if b.stage == stage for v in v_eff[b.bucket].values() if math.isfinite(v)})
+    for alpha in cands:
+        a_p, a_d = (alpha, alpha_d) if stage == "P" else (alpha_p, alpha)
+        floors = {b.bucket: floor_action(v_eff[b.bucket], a_p if b.stage == "P" else a_d) for b in buckets}
+        if expected_b(floors, buckets, base_b, l_cost) <= target_b + 1e-12:
+            return alpha
+    return None
