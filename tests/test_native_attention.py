@@ -195,9 +195,10 @@ def _tiers(store) -> dict:
     d=st.sampled_from([64, 128]),
     scale=st.sampled_from([1e-3, 1.0, 50.0]),
     flat=st.booleans(),
+    bits=st.sampled_from([4, 2]),
 )
-def test_single_token_int4_move_is_bit_exact_with_the_python_path(native, seed, d, scale, flat):
-    """Decode-step moves (one position at a time) through the native mover equal the PyTorch path."""
+def test_single_token_low_move_is_bit_exact_with_the_python_path(native, seed, d, scale, flat, bits):
+    """Decode-step moves (one position at a time) through the native mover equal the PyTorch path (INT4 and INT2)."""
     gen = torch.Generator().manual_seed(seed)
     n, window = 150, 4
     k = (torch.randn(1, 2, n, d, generator=gen) * scale).to(torch.bfloat16)
@@ -209,13 +210,14 @@ def test_single_token_int4_move_is_bit_exact_with_the_python_path(native, seed, 
     acts = [Action.L if i % 3 else Action.R for i in range(len(order))]
     stores = []
     for use_native in (True, False):
-        cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native)
+        cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native, low_bits=bits)
         cache = TieredCache(attention_config(2, 3, d), cfg, 1)
         cache.update(k, v, 0)
         cache.apply(0, 0, torch.tensor(order[:10]), Action.L)  # the prefill-time batch fixes the key balance
         for p, a in zip(order[10:], acts[10:], strict=True):
             cache.apply(0, 0, p, a)
         stores.append(cache.layers[0].seqs[0])
+    assert na.move_applies([stores[0]]) and stores[0].bits == bits  # the native mover served the first cache
     got, want = _tiers(stores[0]), _tiers(stores[1])
     assert got.keys() == want.keys()
     for name in got:

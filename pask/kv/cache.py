@@ -365,7 +365,7 @@ class TieredCache(Cache):
         layers = [self.layers[i] for i in self.groups[group]]
         from_h = pos[tiers == H]
         if action == Action.L:
-            self._move_to_int4(seq, ix, layers, from_h)
+            self._move_to_low(seq, ix, layers, from_h)
         else:
             for tier, sel in ((H, from_h), (L, pos[tiers == L])):
                 if sel.numel():
@@ -413,12 +413,12 @@ class TieredCache(Cache):
         if action == Action.L:
             if not (self.config.native and native_attention.move_applies(stores)):
                 layers = [self.layers[i] for i in self.groups[group]]
-                return self._move_to_int4(seq, ix, layers, torch.tensor([p]))
+                return self._move_to_low(seq, ix, layers, torch.tensor([p]))
             lslot = ix.n[L]
             for st in stores:
                 st.l.reserve(1)
             slot, last = ix.remove_one(H, p)
-            native_attention.move_to_int4(stores, slot, last, lslot)
+            native_attention.move_to_low(stores, slot, last, lslot)
             for st in stores:
                 st.l.commit(1)
                 st.h.remove(_NONE, _NONE, last)
@@ -429,7 +429,7 @@ class TieredCache(Cache):
             st.tier(tier).remove_one(slot)
         ix.release_one(p)
 
-    def _move_to_int4(self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor) -> None:
+    def _move_to_low(self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor) -> None:
         if pos.numel() == 0:
             return
         slots = ix.slot_of.t[pos].long()

@@ -649,13 +649,14 @@ inline uint16_t round_down_bf(float x) {
 }
 
 // codes[0..QG) of x[0..QG) with zero point zp; scale and zero as bf16 bits
-void quantize_group(const float* x, int zp, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
+void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
   float mn = x[0], mx = x[0];
   for (int i = 1; i < QG; ++i) {
     mn = x[i] < mn ? x[i] : mn;
     mx = x[i] > mx ? x[i] : mx;
   }
-  uint16_t scale = round_up_bf((mx - mn) / 15.0f);
+  const float top = static_cast<float>(qmax);
+  uint16_t scale = round_up_bf((mx - mn) / top);
   if (!(bf2f(scale) > 0.0f)) scale = 0x3380;  // 2^-24
   uint16_t zero;
   float low;
@@ -663,13 +664,13 @@ void quantize_group(const float* x, int zp, uint8_t* codes, uint16_t* scale_out,
     const float s = bf2f(scale);
     zero = round_down_bf(mn + static_cast<float>(zp) * s);
     low = bf2f(zero) - static_cast<float>(zp) * s;
-    if (!(low + 15.0f * s < mx)) break;
+    if (!(low + top * s < mx)) break;
     scale = bf_next_up(scale);
   }
   const float s = bf2f(scale);
   for (int i = 0; i < QG; ++i) {
     float c = std::nearbyint((x[i] - low) / s);
-    c = c < 0.0f ? 0.0f : (c > 15.0f ? 15.0f : c);
+    c = c < 0.0f ? 0.0f : (c > top ? top : c);
     codes[i] = static_cast<uint8_t>(c);
   }
   *scale_out = scale;
@@ -680,15 +681,17 @@ void quantize_group(const float* x, int zp, uint8_t* codes, uint16_t* scale_out,
 
 extern "C" {
 
-// For each of `nlayers` layers (one layer group): quantise H slot `slot` of every kv head into INT4
-// slot `lslot` (keys balanced by kbal), then move H slot `last` into `slot` (unless equal). The
-// caller has grown the INT4 tier to hold `lslot` and does the bookkeeping. Returns 0, -1 on a bad shape.
-int pask_move_to_int4(int nlayers, int hkv, int D, const void* const* hk, const void* const* hv,
-                      const int64_t* hcap, int64_t slot, int64_t last, const void* const* kq, const void* const* ksz,
-                      const void* const* vq, const void* const* vs, const void* const* vz, const int64_t* lcap,
-                      int64_t lslot, const void* const* kbal) {
-  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1) return -1;
+// For each of `nlayers` layers (one layer group): quantise H slot `slot` of every kv head into L
+// slot `lslot` at `bits` (4: the blocked INT4 layout; 2: four codes per byte, token-major keys),
+// keys balanced by kbal, then move H slot `last` into `slot` (unless equal). The caller has grown
+// the L tier to hold `lslot` and does the bookkeeping. Returns 0, -1 on a bad shape or width.
+int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const void* const* hv,
+                     const int64_t* hcap, int64_t slot, int64_t last, const void* const* kq, const void* const* ksz,
+                     const void* const* vq, const void* const* vs, const void* const* vz, const int64_t* lcap,
+                     int64_t lslot, const void* const* kbal, int bits) {
+  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || (bits != 4 && bits != 2)) return -1;
   const int G = D / QG;
+  const int qmax = (1 << bits) - 1, kzp = 1 << (bits - 1);  // key zero point: 8 at 4 bits, 2 at 2 bits
   for (int li = 0; li < nlayers; ++li) {
     uint16_t* K = static_cast<uint16_t*>(const_cast<void*>(hk[li]));
     uint16_t* V = static_cast<uint16_t*>(const_cast<void*>(hv[li]));
@@ -714,16 +717,26 @@ int pask_move_to_int4(int nlayers, int hkv, int D, const void* const* hk, const 
       for (int g = 0; g < G; ++g) {
         uint8_t kc[QG], vc[QG];
         uint16_t ks, kz, vsc, vzr;
-        quantize_group(kx + g * QG, 8, kc, &ks, &kz);
-        quantize_group(vx + g * QG, 0, vc, &vsc, &vzr);
-        for (int j = 0; j < QG; ++j) {
-          uint8_t* byte = KQ + ((static_cast<int64_t>(h) * (lc / BT) + blk) * D + g * QG + j) * (BT / 2) + col;
-          *byte = high ? static_cast<uint8_t>((*byte & 0x0F) | (kc[j] << 4)) : static_cast<uint8_t>((*byte & 0xF0) | kc[j]);
-        }
+        quantize_group(kx + g * QG, kzp, qmax, kc, &ks, &kz);
+        quantize_group(vx + g * QG, 0, qmax, vc, &vsc, &vzr);
         const int64_t gs = (static_cast<int64_t>(h) * G + g) * lc + lslot;
+        if (bits == 4) {
+          for (int j = 0; j < QG; ++j) {
+            uint8_t* byte = KQ + ((static_cast<int64_t>(h) * (lc / BT) + blk) * D + g * QG + j) * (BT / 2) + col;
+            *byte = high ? static_cast<uint8_t>((*byte & 0x0F) | (kc[j] << 4))
+                         : static_cast<uint8_t>((*byte & 0xF0) | kc[j]);
+          }
+          for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
+        } else {
+          uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / 4) + g * (QG / 4);
+          for (int j = 0; j < QG / 4; ++j) {
+            krow[j] = static_cast<uint8_t>(kc[4 * j] | (kc[4 * j + 1] << 2) | (kc[4 * j + 2] << 4) | (kc[4 * j + 3] << 6));
+            VQ[gs * (QG / 4) + j] =
+                static_cast<uint8_t>(vc[4 * j] | (vc[4 * j + 1] << 2) | (vc[4 * j + 2] << 4) | (vc[4 * j + 3] << 6));
+          }
+        }
         KSZ[2 * gs] = ks;
         KSZ[2 * gs + 1] = kz;
-        for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
         VS[gs] = vsc;
         VZ[gs] = vzr;
       }

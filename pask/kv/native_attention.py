@@ -92,9 +92,9 @@ def _load() -> ctypes.CDLL:
     f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp, vp, i64, i64] + [vp] * 5 + [i64, i64, vp, vp]
     f.argtypes += [ctypes.c_int, ctypes.c_int]
     f.restype = ctypes.c_int
-    m = lib.pask_move_to_int4
+    m = lib.pask_move_to_low
     m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
-    m.argtypes += [i64, ctypes.c_int64, vp]
+    m.argtypes += [i64, ctypes.c_int64, vp, ctypes.c_int]
     m.restype = ctypes.c_int
     return lib
 
@@ -233,27 +233,28 @@ def decode_layer(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
 
 
 def move_applies(stores: list) -> bool:
-    """Whether :func:`move_to_int4` serves these stores (bf16 H tiers, key balance already fixed)."""
+    """Whether :func:`move_to_low` serves these stores (bf16 H tiers, key balance already fixed)."""
     st = stores[0]
     return (
         st.group == GROUP
-        and st.bits == 4
+        and st.bits in (2, 4)
         and st.h.parts["k"].dtype == torch.bfloat16
         and all(s.kbal is not None for s in stores)
         and available()
     )
 
 
-def move_to_int4(stores: list, slot: int, last: int, lslot: int) -> None:
-    """Quantise H slot ``slot`` of each store (the layers of one group) into INT4 slot ``lslot`` and
-    move H slot ``last`` into ``slot``; bit-exact with :meth:`_SeqStore.append_low`. The INT4
-    tiers must already hold capacity for ``lslot``; the caller updates the counts."""
+def move_to_low(stores: list, slot: int, last: int, lslot: int) -> None:
+    """Quantise H slot ``slot`` of each store (the layers of one group) into L slot ``lslot`` (INT4
+    or INT2, the stores' width) and move H slot ``last`` into ``slot``; bit-exact with
+    :meth:`_SeqStore.append_low`. The L tiers must already hold capacity for ``lslot``; the caller
+    updates the counts."""
     n = len(stores)
     vp = ctypes.c_void_p * n
     i64 = ctypes.c_int64 * n
     h, lt = [s.h.t for s in stores], [s.l.t for s in stores]
     d = stores[0].h.parts["k"].post[0]
-    rc = _LIB.pask_move_to_int4(
+    rc = _LIB.pask_move_to_low(
         n,
         stores[0].h.heads,
         d,
@@ -266,6 +267,7 @@ def move_to_int4(stores: list, slot: int, last: int, lslot: int) -> None:
         i64(*[s.l.cap for s in stores]),
         lslot,
         vp(*[_ptr(s.kbal) for s in stores]),
+        stores[0].bits,
     )
     if rc != 0:
-        raise RuntimeError(f"native INT4 move rejected the shape (head_dim {d})")
+        raise RuntimeError(f"native L-tier move rejected the shape (head_dim {d}, {stores[0].bits} bits)")
