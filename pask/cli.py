@@ -299,6 +299,9 @@ def calibrate(
         int | None,
         typer.Option(help="screened sensitivity: probe only N control-correct cases (spread over categories)"),
     ] = None,
+    distortion_scope: Annotated[
+        str, typer.Option(help="Runtime-D for 'all' candidates or only those the floors 'allowed'")
+    ] = "all",
     alpha_d: Annotated[float, typer.Option(help="tolerance of decode buckets (accuracy drop, 0.05 = 5 pp)")] = 0.05,
     alpha_p: Annotated[float, typer.Option(help="tolerance of prompt buckets (accuracy drop)")] = 0.02,
     batch_size: int = 8,
@@ -310,6 +313,8 @@ def calibrate(
 
     if not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if distortion_scope not in ("all", "allowed"):
+        raise PaskError(f"--distortion-scope must be 'all' or 'allowed', got {distortion_scope!r}")
     for name, a in (("--alpha-d", alpha_d), ("--alpha-p", alpha_p)):
         if not 0 <= a < 1:
             raise PaskError(f"{name} must be in [0, 1), got {a}")
@@ -337,6 +342,7 @@ def calibrate(
             pool_groups=pool_groups,
             distortion_batches=distortion_batches,
             probe_cases=probe_cases,
+            distortion_scope=distortion_scope,
             alpha_d=alpha_d,
             alpha_p=alpha_p,
         )

@@ -9,6 +9,7 @@ import torch
 
 from pask.calibration import load
 from pask.calibration.calibrate import calibrate, report_path_for, work_dir_for
+from pask.errors import PaskError
 
 
 def _lines(path) -> int:
@@ -127,3 +128,31 @@ def test_sql_calibration_runs_through_the_same_machinery(smol, tmp_path):
     assert {b["bucket"] for b in table.calibration["buckets"]} == set(pick)
     rows = (work_dir_for(out) / "control" / "cases.jsonl").read_text().splitlines()
     assert len(rows) == 2 and all("db_id" in json.loads(r) for r in rows)
+
+
+@pytest.mark.slow
+def test_allowed_distortion_scope_measures_only_what_the_floors_allow(smol, tmp_path, monkeypatch):
+    """``distortion_scope="allowed"``: Runtime-D runs only for actions at or above each bucket's floor."""
+    import pask.calibration.calibrate as cal
+
+    torch.set_num_threads(1)
+    out = tmp_path / "scope.json"
+    kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=16, pool_groups=True)
+    calibrate(smol, buckets=[], **kw)  # the control run only
+    plan = json.loads((work_dir_for(out) / "buckets.json").read_text())
+    a, b = (it["name"] for it in plan["items"][:2])
+    fake_v = {(f"{a}|all", "L"): 0.0, (f"{a}|all", "R"): 0.9, (f"{b}|all", "L"): 0.9, (f"{b}|all", "R"): 0.9}
+    recs = {c: {"v": v, "wall_s": 0.0} for c, v in fake_v.items()}
+    monkeypatch.setattr(cal, "run_sensitivity", lambda *args, **kws: (recs, 0))
+    seen: list = []
+
+    def fake_distortion(lm, control, plan, cands, *args, **kws):
+        seen.extend(cands)
+        return {c: {"d": 0.1, "d_per_group": [0.1] * 4, "wall_s": 0.0} for c in cands}, len(cands)
+
+    monkeypatch.setattr(cal, "run_distortion", fake_distortion)
+    table = calibrate(smol, buckets=[f"{a}|g0", f"{b}|g0"], distortion_scope="allowed", **kw)
+    assert seen == [(f"{a}|all", "L")]  # a: floor L (R too harmful at tolerance 0.5); b: floor H, nothing to rank
+    assert table.calibration["distortion_scope"] == "allowed"
+    with pytest.raises(PaskError, match="distortion scope"):
+        calibrate(smol, buckets=[f"{a}|g0"], distortion_scope="some", **kw)

@@ -131,6 +131,8 @@ def test_calibrate_refuses_test_split_and_bad_budget(tmp_path):
     assert res.exit_code == 2 and "--alpha-p must be in [0, 1)" in res.output
     res = _run("calibrate", "--alpha-d", "-0.1", "--out", str(tmp_path / "t.json"))
     assert res.exit_code == 2 and "--alpha-d must be in [0, 1)" in res.output
+    res = _run("calibrate", "--distortion-scope", "some", "--out", str(tmp_path / "t.json"))
+    assert res.exit_code == 2 and "--distortion-scope must be 'all' or 'allowed'" in res.output
 
 
 def test_tune_bad_input():

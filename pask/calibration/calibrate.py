@@ -29,7 +29,7 @@ from pask.calibration.control import run_control
 from pask.calibration.distortion import run_distortion
 from pask.calibration.screening import screen_all, screen_control_correct
 from pask.calibration.sensitivity import probe_policy, run_sensitivity
-from pask.calibration.solver import BucketInput, Solution, cost, solve
+from pask.calibration.solver import ORDER, BucketInput, Solution, cost, envelope, floor_action, solve
 from pask.calibration.table import FrozenTable
 from pask.calibration.tasks import default_max_new_tokens, get_task
 from pask.errors import PaskError
@@ -75,6 +75,7 @@ def calibrate(
     pool_groups: bool = False,
     distortion_batches: int | None = None,
     probe_cases: int | None = None,
+    distortion_scope: str = "all",
 ) -> FrozenTable:
     """Calibrate a PASK table for ``lm`` on ``task``/``split`` under total budget ``budget``; see the module doc.
 
@@ -93,6 +94,10 @@ def calibrate(
     ``probe_cases``: screened sensitivity (:mod:`pask.calibration.screening`): the probes run only
     that many control-correct cases, spread over the categories, each flip weighted by its share of
     the whole split's accuracy; the V resolution is then the largest single-flip weight.
+
+    ``distortion_scope``: ``"all"`` measures D for every candidate (the report's Table 16 compares
+    all of them); ``"allowed"`` only for the actions at or above each bucket's floor, the only D
+    values the solver reads (re-solving at other tolerances measures what they add).
     """
     if not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
@@ -140,22 +145,38 @@ def calibrate(
     v_recs, v_run = run_sensitivity(
         lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress, hooks, screen
     )
+    # Resolution rule: with n calibration cases V moves in steps of 1/n, so a tolerance finer than one
+    # case cannot be measured (any single flip, including bf16 noise, would exceed it). The solver
+    # uses max(alpha, resolution); the table records both the nominal and the effective tolerances.
+    resolution = screen.resolution
+    eff_d, eff_p = max(alpha_d, resolution + 1e-9), max(alpha_p, resolution + 1e-9)
+
+    def probe_of(name: str) -> str:
+        return f"{name.rpartition('|')[0]}|{POOLED}" if pool_groups else name
+
+    d_candidates = candidates
+    if distortion_scope == "allowed":  # only the D values the solver reads: actions at or above the floor
+        allowed = set()
+        for name, it, _, _ in plan.buckets():
+            v = {a: v_recs[(probe_of(name), a)]["v"] for a in ("L", "R") if (probe_of(name), a) in v_recs}
+            floor = floor_action(envelope(v), eff_p if it.stage == "P" else eff_d)
+            allowed |= {(probe_of(name), a) for a in ("R", "L") if ORDER.index(a) >= ORDER.index(floor)}
+        d_candidates = [c for c in candidates if c in allowed]
+    elif distortion_scope != "all":
+        raise PaskError(f"distortion scope must be 'all' or 'allowed', got {distortion_scope!r}")
     d_recs, d_run = {}, 0
     if distortion:
         d_recs, d_run = run_distortion(
             lm,
             control,
             plan,
-            candidates,
+            d_candidates,
             work,
             lambda b, a: probe_policy(plan, b, a, lm.fingerprint, recent_window),
             cache_config,
             progress,
             distortion_batches,
         )
-
-    def probe_of(name: str) -> str:
-        return f"{name.rpartition('|')[0]}|{POOLED}" if pool_groups else name
 
     def d_of(name: str, g: int, a: str) -> float:
         rec = d_recs[(probe_of(name), a)]
@@ -175,11 +196,6 @@ def calibrate(
     spec = attention_spec(lm.model.config, cache_config.quant_group)
     l_cost = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype).l_ratio  # 0.3125 in bf16
     base_b = plan.window_share + plan.base_share() * cost(default, l_cost)
-    # Resolution rule: with n calibration cases V moves in steps of 1/n, so a tolerance finer than one
-    # case cannot be measured (any single flip, including bf16 noise, would exceed it). The solver
-    # uses max(alpha, 1/n); the table records both the nominal and the effective tolerances.
-    resolution = screen.resolution
-    eff_d, eff_p = max(alpha_d, resolution + 1e-9), max(alpha_p, resolution + 1e-9)
     sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost)
     actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
     meta = {
@@ -194,6 +210,7 @@ def calibrate(
         "min_share": min_share,
         "pool_groups": pool_groups,
         "distortion_batches": distortion_batches,
+        "distortion_scope": distortion_scope,
         "v_resolution": resolution,
         "probe_cases": probe_cases,
         "probe_case_ids": screen.case_ids if screen.screened else None,
