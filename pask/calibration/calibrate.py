@@ -387,7 +387,13 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
     lines += [
         "",
         "Recall @20%: share of the top-20 % buckets by effective sensitivity (monotone envelope) that "
-        "distortion also ranks in its top 20 %; Mismatch 20,50: share of them distortion ranks in its bottom 50 %.",
+        "distortion also ranks in its top 20 %; Mismatch 20,50: share of them distortion ranks in its bottom 50 %."
+        + (
+            " Distortion scope `allowed`: D was measured only for actions the floors allow, so these rows "
+            "compare fewer buckets than a full scan."
+            if meta.get("distortion_scope") == "allowed"
+            else ""
+        ),
         "",
         "## Buckets",
         "",
