@@ -11,26 +11,18 @@ test's p; also the mean measured B and the share of single-call outputs (the par
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 
+from pask.evaluation.case_rows import read_done
 from pask.report import sign_test_p
 
 ROOT = Path(__file__).resolve().parent
 
 
 def _rows(d: Path) -> dict[str, dict]:
-    out = {}
-    for p in sorted(d.glob("cases*.jsonl")):
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            out[r["id"]] = r
-    return out
+    return read_done(d / "cases.jsonl")
 
 
 def _b(r: dict) -> float | None:

@@ -140,7 +140,7 @@ def calibrate(
     if probe_cases is None:
         screen = screen_all([r.id for r in control.rows], n_pool)
     else:
-        groups = {c.id: str(getattr(c, "category", None) or getattr(c, "difficulty", "all")) for c in cases}
+        groups = {c.id: hooks.group(c) for c in cases}
         screen = screen_control_correct({r.id: r.correct for r in control.rows}, groups, n_pool, probe_cases)
     v_recs, v_run = run_sensitivity(
         lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress, hooks, screen

@@ -72,7 +72,6 @@ def run_sensitivity(
     todo = [c for c in candidates if c not in done]
     if progress:
         progress("sensitivity", len(candidates) - len(todo), len(candidates))
-    ctrl_correct = control.summary["overall"]["correct"]
     with open(path, "a") as f:
         for bucket, action in todo:
             t0 = time.perf_counter()
@@ -89,19 +88,13 @@ def run_sensitivity(
                 None,
                 meta,
             )
-            correct = s["overall"]["correct"]
-            if screen.screened:
-                rows = read_done(run_dir / "cases.jsonl")
-                v = screen.v(ctrl, {i: bool(r["correct"]) for i, r in rows.items()})
-                control_correct = len(screen.weights)  # every screened case is control-correct
-            else:
-                v, control_correct = (ctrl_correct - correct) / max(n, 1), ctrl_correct
+            rows = read_done(run_dir / "cases.jsonl")
             rec = {
                 "bucket": bucket,
                 "action": action,
-                "v": v,
-                "correct": correct,
-                "control_correct": control_correct,
+                "v": screen.v(ctrl, {i: bool(r["correct"]) for i, r in rows.items()}),
+                "correct": s["overall"]["correct"],
+                "control_correct": sum(ctrl[i] for i in screen.weights),
                 "n": s["overall"]["n"],
                 "measured_b": s["measured_b"],
                 "wall_s": round(time.perf_counter() - t0, 3),

@@ -25,6 +25,7 @@ class CalibrationTask:
     run: Callable  # run(lm, cases, out_dir, batch_size, max_new_tokens, policy, progress, meta) -> summary
     summarize: Callable[[list[dict]], dict]
     table_markdown: Callable[[dict, dict | None], str]
+    group: Callable[[object], str]  # a case's group for screened sensitivity (BFCL category, SQL difficulty)
 
 
 def _no_test(split: str) -> None:
@@ -60,6 +61,7 @@ def _bfcl() -> CalibrationTask:
         run=rb.run_bfcl,
         summarize=rb.summarize,
         table_markdown=rb.table_markdown,
+        group=lambda c: c.category,
     )
 
 
@@ -91,6 +93,7 @@ def _sql() -> CalibrationTask:
         run=rs.run_sql,
         summarize=rs.summarize,
         table_markdown=rs.table_markdown,
+        group=lambda c: c.difficulty,
     )
 
 
