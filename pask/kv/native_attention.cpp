@@ -649,6 +649,11 @@ inline uint16_t round_down_bf(float x) {
 }
 
 // codes[0..QG) of x[0..QG) with zero point zp; scale and zero as bf16 bits
+// Four 2-bit codes in one byte, code i at bits 2i (pask.kv.quant.pack_quads).
+inline uint8_t pack_quad(const uint8_t* c) {
+  return static_cast<uint8_t>(c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6));
+}
+
 void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
   float mn = x[0], mx = x[0];
   for (int i = 1; i < QG; ++i) {
@@ -730,9 +735,8 @@ int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const v
         } else {
           uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / 4) + g * (QG / 4);
           for (int j = 0; j < QG / 4; ++j) {
-            krow[j] = static_cast<uint8_t>(kc[4 * j] | (kc[4 * j + 1] << 2) | (kc[4 * j + 2] << 4) | (kc[4 * j + 3] << 6));
-            VQ[gs * (QG / 4) + j] =
-                static_cast<uint8_t>(vc[4 * j] | (vc[4 * j + 1] << 2) | (vc[4 * j + 2] << 4) | (vc[4 * j + 3] << 6));
+            krow[j] = pack_quad(kc + 4 * j);
+            VQ[gs * (QG / 4) + j] = pack_quad(vc + 4 * j);
           }
         }
         KSZ[2 * gs] = ks;
