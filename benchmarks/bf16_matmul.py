@@ -3,15 +3,18 @@
     .venv/bin/python benchmarks/bf16_matmul.py [--model qwen2.5-coder-0.5b] [--prompt 512] [--threads 2]
 
 Loads the model in bf16 once per mode (``PASK_BF16_MATMUL=native``, ``fp32`` and
-``fp32-weights``) and times, interleaved, a prefill of ``--prompt`` tokens (batch 1) and decode
-steps at each of ``--batches`` over ``--context`` cached tokens; also the largest logit difference
-of the prefill against the native mode and whether the greedy token agrees. Writes
+``fp32-weights``, the last also with the native gemv of :mod:`pask.native_gemv` switched off, i.e.
+PyTorch's GEMV on the fp32 weight copy for decode steps) and times, interleaved, a prefill of
+``--prompt`` tokens (batch 1) and decode steps at each of ``--batches`` over ``--context`` cached
+tokens; also the largest logit difference of the prefill against the native mode and whether the
+greedy token agrees. Writes
 ``benchmarks/results/bf16_matmul.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shlex
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pask import bf16_matmul
+from pask import bf16_matmul, native_gemv
 from pask.models import load_model
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -35,6 +38,17 @@ def _time(fn, repeats: int) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
+
+
+@contextlib.contextmanager
+def _gemv(name: str):
+    """The ``-torch`` modes run with the native gemv off (PyTorch's GEMV for decode steps)."""
+    saved = native_gemv.MAX_ROWS
+    native_gemv.MAX_ROWS = 0 if name.endswith("-torch") else saved
+    try:
+        yield
+    finally:
+        native_gemv.MAX_ROWS = saved
 
 
 def main() -> None:
@@ -53,25 +67,28 @@ def main() -> None:
     ctx = torch.randint(100, 20000, (max(batches), args.context), generator=gen)
     step = torch.randint(100, 20000, (max(batches), 1), generator=gen)
     models = {}
-    for how in ("native", "fp32", "fp32-weights"):
+    modes = {"native": "native", "fp32": "fp32", "fp32-weights": "fp32-weights", "fp32-weights-torch": "fp32-weights"}
+    for name, how in modes.items():
         lm = load_model(args.model, dtype=torch.bfloat16)
         for mod in lm.model.modules():  # load_model applied the auto mode: start from native
             mod.__dict__.pop("forward", None)
         bf16_matmul.apply(lm.model, how)
-        models[how] = lm.model
+        models[name] = lm.model
     rows, logits = {}, {}
     with torch.inference_mode():
         for how, m in models.items():
-            logits[how] = m(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
-            rows[how] = {"cache": {b: m(input_ids=ctx[:b], use_cache=True).past_key_values for b in batches}}
+            with _gemv(how):
+                logits[how] = m(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+                rows[how] = {"cache": {b: m(input_ids=ctx[:b], use_cache=True).past_key_values for b in batches}}
         for _ in range(args.repeats):  # interleaved: machine drift hits every mode alike
             for how, m in models.items():
                 r = rows[how]
-                r.setdefault("prefill", []).append(_time(lambda m=m: m(input_ids=ids, logits_to_keep=1), 1))
-                for b in batches:
-                    r.setdefault(b, []).append(
-                        _time(lambda m=m, c=r["cache"][b], b=b: m(input_ids=step[:b], cache=c, use_cache=False), 1)
-                    )
+                with _gemv(how):
+                    r.setdefault("prefill", []).append(_time(lambda m=m: m(input_ids=ids, logits_to_keep=1), 1))
+                    for b in batches:
+                        r.setdefault(b, []).append(
+                            _time(lambda m=m, c=r["cache"][b], b=b: m(input_ids=step[:b], cache=c, use_cache=False), 1)
+                        )
     res = {
         how: {
             "prefill_s": statistics.median(r["prefill"]),
@@ -91,6 +108,7 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "torch_cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "cpu_bf16": bf16_matmul.cpu_has_bf16(),
+        "native_gemv": native_gemv.status(),
         "modes": res,
         "max_logit_diff": diff,
         "same_greedy_token": same,
@@ -98,7 +116,12 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "bf16_matmul.json").write_text(json.dumps(out, indent=2) + "\n")
     n = res["native"]
-    names = {"native": "native bf16", "fp32": "fp32 products (`auto` here)", "fp32-weights": "fp32 weight copy"}
+    names = {
+        "native": "native bf16",
+        "fp32": "fp32 products (`auto` here), native gemv",
+        "fp32-weights": "fp32 weight copy, native gemv",
+        "fp32-weights-torch": "fp32 weight copy, PyTorch GEMV",
+    }
     head = f"| mode | prefill of {args.prompt} tokens (s) | " + " | ".join(
         f"decode step, batch {b} (ms)" for b in batches
     )
@@ -122,9 +145,11 @@ def main() -> None:
         lines.append(f"| {names[how]} | " + " | ".join(cells + extra) + " |")
     lines += [
         "",
-        f"`fp32` keeps the native GEMV for inputs under {bf16_matmul.MIN_ROWS} rows (decode steps); "
-        "`fp32-weights` keeps an fp32 copy of every linear weight (3x the weight memory) and uses it "
-        "for every input.",
+        f"Decode steps (at most {native_gemv.MAX_ROWS} rows) go to the native bf16-weight gemv "
+        f"(`pask/native_gemv.cpp`, status: {out['native_gemv']}) in `fp32` and `fp32-weights`; "
+        "`fp32-weights` keeps an fp32 copy of every linear weight (3x the weight memory) for the other "
+        "inputs; the `PyTorch GEMV` row switches the native gemv off, so its decode steps use the fp32 "
+        "copy (the mode before the native gemv).",
     ]
     (OUT / "bf16_matmul.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

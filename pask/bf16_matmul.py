@@ -16,6 +16,11 @@ also keeps an fp32 copy of its weight (3x the weight memory: bf16 + fp32) and us
 input, decode steps included (faster decode GEMVs where bf16 ones are slow: on the AVX2 machine a
 batch-16 decode step of qwen2.5-coder-0.5b takes 644 ms against 1044 ms native, batch 8 458 vs
 541 ms; ``benchmarks/results/bf16_matmul.md``). Outputs stay bf16 in every mode.
+
+In every mode but ``native``, inputs of at most :data:`pask.native_gemv.MAX_ROWS` rows (decode
+steps) go to the native bf16-weight kernel of :mod:`pask.native_gemv` where it is available: the
+same fp32 product (up to summation order) reading the bf16 weight in place, several times faster
+than both PyTorch GEMVs on that machine because a decode step is bound by reading the weights.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pask import native_gemv
 from pask.errors import PaskError
 
 MIN_ROWS = 32  # rows of input from which the fp32 product is faster than the native bf16 GEMM
@@ -60,9 +66,11 @@ def mode() -> str:
 
 
 def _fp32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The fp32 product on bf16 inputs: with the resident fp32 weight copy for every input where
-    the layer has one (``fp32-weights``), else upcasting the weight for inputs of ``MIN_ROWS`` rows
-    or more; other inputs take the native GEMM."""
+    """The fp32 product on bf16 inputs: decode-sized inputs through the native gemv kernel where
+    it applies; else the resident fp32 weight copy where the layer has one (``fp32-weights``), else
+    upcasting the weight for inputs of ``MIN_ROWS`` rows or more; other inputs take the native GEMM."""
+    if x.dtype == torch.bfloat16 and native_gemv.applies(x, self.weight):
+        return native_gemv.linear(x, self.weight, self.bias).to(torch.bfloat16)
     w32 = self._buffers.get("pask_weight_fp32")
     if x.dtype != torch.bfloat16 or (w32 is None and x.numel() < MIN_ROWS * x.shape[-1]):
         return F.linear(x, self.weight, self.bias)

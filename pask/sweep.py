@@ -725,16 +725,19 @@ def plan(
 
 
 def machine() -> dict:
-    """What a run's timings and bf16 numerics depend on: CPU, its BF16 arithmetic, the matmul mode."""
+    """What a run's timings and bf16 numerics depend on: CPU, BF16 arithmetic, matmul mode, native kernels."""
     import platform
 
-    from pask import bf16_matmul
+    from pask import bf16_matmul, native_gemv
+    from pask.kv import native_attention
 
     return {
         "cpu": platform.processor() or platform.machine(),
         "torch_cpu_capability": torch_cpu_capability(),
         "cpu_bf16": bf16_matmul.cpu_has_bf16(),
         "bf16_matmul": bf16_matmul.mode(),
+        "native_attention": native_attention.status(),
+        "native_gemv": native_gemv.status(),
     }
 
 

@@ -21,6 +21,9 @@
 #include <omp.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PASK_AVX2 1  // 8-lane kernels for CPUs without AVX-512 (e.g. AMD Zen 2/3)
 #endif
 
 #include <algorithm>
@@ -78,6 +81,34 @@ inline __m512 fexp16(__m512 x) {  // fexp on 16 lanes
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#elif defined(PASK_AVX2)
+inline __m256 fexp8(__m256 x) {  // fexp on 8 lanes
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+inline float hadd8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
 }
 #endif
 
@@ -158,6 +189,28 @@ struct State {
       sum = _mm512_add_ps(sum, p);
     }
     return _mm512_reduce_add_ps(sum);
+  }
+#elif defined(PASK_AVX2)
+  static float block_max(const float* s, int nt) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= nt; t += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(s + t));
+    float mb = hmax8(mv);
+    for (; t < nt; ++t) mb = s[t] > mb ? s[t] : mb;
+    return mb;
+  }
+  static float exp_block(float* s, int nt, float mn) {
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 m = _mm256_set1_ps(mn);
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int t = 0; t < BT; t += 8) {  // slots >= nt get weight 0
+      const __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(t))),
+                                        _mm256_set1_ps(static_cast<float>(nt)), _CMP_LT_OQ);
+      const __m256 p = _mm256_and_ps(live, fexp8(_mm256_sub_ps(_mm256_load_ps(s + t), m)));
+      _mm256_store_ps(s + t, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    return hadd8(sum);
   }
 #else
   static float block_max(const float* s, int nt) {
@@ -345,9 +398,199 @@ void l_values_group(State& st, const uint8_t* vq, const float* vs, const float* 
     }
   }
 }
+#elif defined(PASK_AVX2)
+// ---- AVX2 + FMA kernels (D = 64 or 128): the AVX-512 kernels' structure on 8 lanes, with the
+// block's BF16 keys / values and INT4 codes widened to fp32 once per block (the 16 ymm registers
+// cannot hold a query row and its partial sums the way 32 zmm registers do) ----------------------
+
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline __m256 u8x8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes (as raw integer bits)
+  return _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+inline __m256 nibbles(__m256 b, int shift) {  // (b >> shift) & 15 as fp32
+  const __m256i x = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(b), shift), _mm256_set1_epi32(15));
+  return _mm256_cvtepi32_ps(x);
+}
+
+// Lane i of the result = sum of the 8 lanes of v[i].
+inline __m256 hsum8(const __m256* v) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// rows [nt, D] of bf16 -> fp32; rows nt.. up to the next multiple of 8 are zeroed. Prefetches the
+// next block's rows (the streams are read block by block with compute in between, which the
+// hardware prefetcher alone does not cover).
+template <int D>
+void widen(float (*dst)[MAXD], const uint16_t* src, int nt, bool more) {
+  for (int t = 0; t < nt; ++t) {
+    const uint16_t* row = src + static_cast<int64_t>(t) * D;
+    if (more)
+      for (int b = 0; b < D * 2; b += 64) prefetch(reinterpret_cast<const char*>(row + BT * D) + b);
+    for (int c = 0; c < D / 8; ++c) _mm256_store_ps(dst[t] + 8 * c, bf16x8(row + 8 * c));
+  }
+  for (int t = nt; t % 8 != 0; ++t) std::fill(dst[t], dst[t] + D, 0.0f);
+}
+
+// scores sc[r][0..nt) = qh_r . k_t (qh: the query rows already scaled) over widened keys kf
+template <int D>
+void h_scores(State& st, const float (*qh)[MAXD], const float (*kf)[MAXD], int nt) {
+  for (int r = 0; r < st.grp; ++r) {
+    __m256 qv[D / 8];
+    for (int c = 0; c < D / 8; ++c) qv[c] = _mm256_load_ps(qh[r] + 8 * c);
+    for (int t0 = 0; t0 < nt; t0 += 8) {  // eight independent FMA chains (rows past nt are zero)
+      __m256 part[8];
+      for (int i = 0; i < 8; ++i) part[i] = _mm256_setzero_ps();
+      for (int c = 0; c < D / 8; ++c)
+        for (int i = 0; i < 8; ++i) part[i] = _mm256_fmadd_ps(qv[c], _mm256_load_ps(kf[t0 + i] + 8 * c), part[i]);
+      _mm256_store_ps(st.sc[r] + t0, hsum8(part));
+    }
+  }
+}
+
+// Runs f.template operator()<RN>(r0) for row blocks of RC rows (the last one shorter): row counts
+// are compile-time so the accumulators stay in registers.
+template <int RC, class F>
+inline void row_blocks(int grp, F&& f) {
+  int r0 = 0;
+  for (; r0 + RC <= grp; r0 += RC) f.template operator()<RC>(r0);
+  switch (grp - r0) {
+    case 1: f.template operator()<1>(r0); break;
+    case 2: if constexpr (RC > 2) f.template operator()<2>(r0); break;
+    case 3: if constexpr (RC > 3) f.template operator()<3>(r0); break;
+    default: break;
+  }
+}
+
+// acc[r] += sum_t p[r][t] v_t over widened values vf
+template <int D>
+void h_values(State& st, const float (*vf)[MAXD], int nt) {
+  for (int c0 = 0; c0 < D / 8; c0 += 2) {  // 16 dims per pass, up to 4 rows: 8 accumulators
+    row_blocks<4>(st.grp, [&]<int RN>(int r0) {
+      __m256 acc[RN][2];
+      for (int r = 0; r < RN; ++r)
+        for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_load_ps(st.acc[r0 + r] + 8 * (c0 + c));
+      for (int t = 0; t < nt; ++t) {
+        const __m256 v0 = _mm256_load_ps(vf[t] + 8 * c0), v1 = _mm256_load_ps(vf[t] + 8 * c0 + 8);
+        for (int r = 0; r < RN; ++r) {
+          const __m256 p = _mm256_broadcast_ss(st.sc[r0 + r] + t);
+          acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < RN; ++r)
+        for (int c = 0; c < 2; ++c) _mm256_store_ps(st.acc[r0 + r] + 8 * (c0 + c), acc[r][c]);
+    });
+  }
+}
+
+// sc[r][t] += scale_t * (qs_r . c_t) + off_t * qsum_r for the 64 slots of block `blk`, group g
+template <int D>
+void l_scores_group(State& st, const float (*qs)[MAXD], const float* qsum_g, const uint8_t* KQ, int64_t blk,
+                    int g, const float* scl, const float* off) {
+  alignas(64) float cb[QG][BT];
+  for (int d = 0; d < QG; ++d) {
+    const uint8_t* row = KQ + (blk * D + g * QG + d) * (BT / 2);
+    if (d % 2 == 0) prefetch(row + D * (BT / 2));  // the next block's rows (two per cache line)
+    for (int h = 0; h < 4; ++h) {
+      const __m256 b = u8x8(row + 8 * h);
+      _mm256_store_ps(cb[d] + 8 * h, nibbles(b, 0));
+      _mm256_store_ps(cb[d] + 32 + 8 * h, nibbles(b, 4));
+    }
+  }
+  for (int s0 = 0; s0 < BT; s0 += 32) {  // 32 slots per pass, up to 2 rows: 8 accumulators
+    row_blocks<2>(st.grp, [&]<int RN>(int r0) {
+      __m256 acc[RN][4];
+      for (int r = 0; r < RN; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+      for (int d = 0; d < QG; ++d) {
+        const float* cd = cb[d] + s0;
+        const __m256 c0 = _mm256_load_ps(cd), c1 = _mm256_load_ps(cd + 8), c2 = _mm256_load_ps(cd + 16),
+                     c3 = _mm256_load_ps(cd + 24);
+        for (int r = 0; r < RN; ++r) {
+          const __m256 q = _mm256_broadcast_ss(qs[r0 + r] + g * QG + d);
+          acc[r][0] = _mm256_fmadd_ps(q, c0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(q, c1, acc[r][1]);
+          acc[r][2] = _mm256_fmadd_ps(q, c2, acc[r][2]);
+          acc[r][3] = _mm256_fmadd_ps(q, c3, acc[r][3]);
+        }
+      }
+      for (int r = 0; r < RN; ++r) {
+        const __m256 qg = _mm256_set1_ps(qsum_g[r0 + r]);
+        float* s = st.sc[r0 + r] + s0;
+        for (int c = 0; c < 4; ++c) {
+          const __m256 x = _mm256_fmadd_ps(_mm256_load_ps(off + s0 + 8 * c), qg, _mm256_load_ps(s + 8 * c));
+          _mm256_store_ps(s + 8 * c, _mm256_fmadd_ps(_mm256_load_ps(scl + s0 + 8 * c), acc[r][c], x));
+        }
+      }
+    });
+  }
+}
+
+// even/odd[r] += sum_t p[r][t] * vs_t * codes_t for group g of the block; zs[r][g] += sum_t p[r][t] vz_t
+void l_values_group(State& st, const uint8_t* vq, const float* vs, const float* vz, int nt, int g) {
+  alignas(64) float w[MAXR][BT];
+  for (int r = 0; r < st.grp; ++r) {  // weights past nt are 0 (absorb)
+    __m256 z = _mm256_setzero_ps();
+    for (int c = 0; c < BT / 8; ++c) {
+      const __m256 p = _mm256_load_ps(st.sc[r] + 8 * c);
+      _mm256_store_ps(w[r] + 8 * c, _mm256_mul_ps(p, _mm256_load_ps(vs + 8 * c)));
+      z = _mm256_fmadd_ps(p, _mm256_load_ps(vz + 8 * c), z);
+    }
+    st.zs[r][g] += hadd8(z);
+  }
+  alignas(64) float cf[BT][QG];  // per slot: the 16 even-dim codes, then the 16 odd-dim codes
+  for (int t = 0; t < nt; ++t) {
+    const uint8_t* b = vq + static_cast<int64_t>(t) * (QG / 2);
+    if (t % 4 == 0) prefetch(b + BT * (QG / 2));  // the next block's codes (four slots per line)
+    const __m256 b0 = u8x8(b), b1 = u8x8(b + 8);
+    _mm256_store_ps(cf[t], nibbles(b0, 0));
+    _mm256_store_ps(cf[t] + 8, nibbles(b1, 0));
+    _mm256_store_ps(cf[t] + 16, nibbles(b0, 4));
+    _mm256_store_ps(cf[t] + 24, nibbles(b1, 4));
+  }
+  row_blocks<2>(st.grp, [&]<int RN>(int r0) {  // up to 2 rows x (16 even + 16 odd dims): 8 accumulators
+    __m256 acc[RN][4];
+    for (int r = 0; r < RN; ++r) {
+      const float* e = st.even[r0 + r] + g * (QG / 2);
+      const float* o = st.odd[r0 + r] + g * (QG / 2);
+      acc[r][0] = _mm256_load_ps(e);
+      acc[r][1] = _mm256_load_ps(e + 8);
+      acc[r][2] = _mm256_load_ps(o);
+      acc[r][3] = _mm256_load_ps(o + 8);
+    }
+    for (int t = 0; t < nt; ++t) {
+      const __m256 c0 = _mm256_load_ps(cf[t]), c1 = _mm256_load_ps(cf[t] + 8), c2 = _mm256_load_ps(cf[t] + 16),
+                   c3 = _mm256_load_ps(cf[t] + 24);
+      for (int r = 0; r < RN; ++r) {
+        const __m256 p = _mm256_broadcast_ss(w[r0 + r] + t);
+        acc[r][0] = _mm256_fmadd_ps(p, c0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(p, c1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(p, c2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(p, c3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < RN; ++r) {
+      float* e = st.even[r0 + r] + g * (QG / 2);
+      float* o = st.odd[r0 + r] + g * (QG / 2);
+      _mm256_store_ps(e, acc[r][0]);
+      _mm256_store_ps(e + 8, acc[r][1]);
+      _mm256_store_ps(o, acc[r][2]);
+      _mm256_store_ps(o + 8, acc[r][3]);
+    }
+  });
+}
 #endif
 
-void h_stream(State& st, const uint16_t* qb, const float (*qh)[MAXD], float scaling, const Seq& s, int h) {
+void h_stream(State& st, [[maybe_unused]] const uint16_t* qb, const float (*qh)[MAXD], [[maybe_unused]] float scaling,
+              const Seq& s, int h) {
   const int D = st.D, grp = st.grp;
   const uint16_t* K = s.kh + static_cast<int64_t>(h) * s.hcap * D;
   const uint16_t* V = s.vh + static_cast<int64_t>(h) * s.hcap * D;
@@ -362,6 +605,23 @@ void h_stream(State& st, const uint16_t* qb, const float (*qh)[MAXD], float scal
       if (D == 64) h_scores<64>(st, qb, scaling, Kb, nt); else h_scores<128>(st, qb, scaling, Kb, nt);
       st.absorb(nt);
       if (D == 64) h_values<64>(st, Vb, nt); else h_values<128>(st, Vb, nt);
+      continue;
+    }
+#elif defined(PASK_AVX2)
+    if (D == 64 || D == 128) {
+      alignas(64) float vw[BT][MAXD];
+      const bool more = t0 + BT < s.hn;
+      if (D == 64) {
+        widen<64>(kf, Kb, nt, more);
+        widen<64>(vw, Vb, nt, more);
+        h_scores<64>(st, qh, kf, nt);
+      } else {
+        widen<128>(kf, Kb, nt, more);
+        widen<128>(vw, Vb, nt, more);
+        h_scores<128>(st, qh, kf, nt);
+      }
+      st.absorb(nt);
+      if (D == 64) h_values<64>(st, vw, nt); else h_values<128>(st, vw, nt);
       continue;
     }
 #endif
@@ -437,7 +697,7 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
         scl[t] = bf2f(sz[2 * t]);
         off[t] = bf2f(sz[2 * t + 1]) - 8.0f * scl[t];
       }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PASK_AVX2)
       if (D == 64 || D == 128) {
         if (D == 64) l_scores_group<64>(st, qs, qsum[g], KQ, blk, g, scl, off);
         else l_scores_group<128>(st, qs, qsum[g], KQ, blk, g, scl, off);
@@ -471,7 +731,7 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
         vsf[t] = bf2f(VS[base + t]);
         vzf[t] = bf2f(VZ[base + t]);
       }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PASK_AVX2)
       l_values_group(st, VQ + base * (QG / 2), vsf, vzf, nt, g);
       continue;
 #endif

@@ -8,9 +8,8 @@ run in parallel (OpenMP, ``torch.get_num_threads()`` threads). It replaces the p
 path (PyTorch's flash kernel + six int4-GEMM calls per sequence and layer), whose fixed cost and
 compute-bound INT4 GEMM made an INT4 token slower to read than a BF16 one on this CPU.
 
-Build: compiled on first use with the system C++ compiler (``$CXX``, default ``g++``; ``-O3
--march=native -fopenmp``) into ``<cache root>/native/<key>/`` where the key hashes the source,
-flags, compiler version and CPU flags; concurrent processes serialise on a lock file. A start-up
+Build: compiled on first use by :mod:`pask.native` (``-O3 -march=native -fopenmp``; AVX-512 or
+AVX2 + FMA kernels where the CPU has them, portable loops otherwise). A start-up
 probe checks the library against the reference attention on random tiers. Without a compiler, or
 if the probe fails, :func:`available` is False and the previous paths run. ``PASK_NATIVE=0``
 disables it.
@@ -19,20 +18,17 @@ disables it.
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
-import os
-import platform
-import shutil
 import subprocess
 import warnings
 from pathlib import Path
 
 import torch
 
+from pask import native
+
 SOURCE = Path(__file__).with_name("native_attention.cpp")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-std=c++17"]
-FLAGS += ["-ffp-contract=off", "-shared", "-fPIC"]  # no fused multiply-add where PyTorch rounds twice
+FLAGS = [*native.COMMON_FLAGS, "-mprefer-vector-width=512"]
+FLAGS += ["-ffp-contract=off"]  # no fused multiply-add where PyTorch rounds twice (the INT4 move)
 MAX_ROWS, MAX_DIM, GROUP = 16, 128, 32  # query rows per kv head, head_dim, quantisation group
 
 _LIB: ctypes.CDLL | None = None
@@ -40,49 +36,12 @@ _STATE: str | None = None  # None: not tried; "ok"; or why it is unavailable
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build_key(cxx: str) -> str:
-    version = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
-        h.update(part)
-        h.update(b"\0")
-    return h.hexdigest()[:16]
+    return native.compiler()
 
 
 def library_path() -> Path:
     """Where the compiled library lives (built if missing); raises RuntimeError without a compiler."""
-    from pask.models import cache_root
-
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found ($CXX or g++)")
-    out_dir = cache_root() / "native" / _build_key(cxx)
-    lib = out_dir / "libpask_attention.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not lib.exists():
-            tmp = out_dir / f".build-{os.getpid()}.so"
-            proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
-            tmp.replace(lib)
-    return lib
+    return native.build(SOURCE, FLAGS, _compiler())
 
 
 def _load() -> ctypes.CDLL:
@@ -102,7 +61,7 @@ def _load() -> ctypes.CDLL:
 def _probe() -> str:
     """Build, load and compare with the reference attention on random tiers; "ok" or the reason."""
     global _LIB
-    if os.environ.get("PASK_NATIVE", "1") == "0":
+    if native.disabled():
         return "disabled by PASK_NATIVE=0"
     try:
         _LIB = _load()

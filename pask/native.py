@@ -1,0 +1,77 @@
+"""Building the native CPU kernels: one C++ source -> one shared library loaded with ctypes.
+
+A source is compiled on first use with the system C++ compiler (``$CXX``, default ``g++``) into
+``<cache root>/native/<key>/`` where the key hashes the source, flags, compiler version and CPU
+flags (``-march=native`` code is only reused on the CPU it was built for); concurrent processes
+serialise on a lock file. ``PASK_NATIVE=0`` disables every native kernel (their modules check
+:func:`disabled`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC"]
+
+
+def disabled() -> bool:
+    """Whether ``PASK_NATIVE=0`` turns the native kernels off."""
+    return os.environ.get("PASK_NATIVE", "1") == "0"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use, or None."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``), else the processor name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key(cxx: str, source: Path, flags: list[str]) -> str:
+    """Hash of what the library depends on: source, flags, compiler version, CPU flags."""
+    version = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(flags).encode(), version.encode(), cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def build(source: Path, flags: list[str], cxx: str | None = None) -> Path:
+    """Path of the compiled library of ``source`` (built if missing).
+
+    Raises RuntimeError without a compiler or when compilation fails (with the compiler's output).
+    """
+    from pask.models import cache_root
+
+    cxx = cxx or compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX or g++)")
+    out_dir = cache_root() / "native" / build_key(cxx, source, flags)
+    lib = out_dir / f"lib{source.stem}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not lib.exists():
+            tmp = out_dir / f".build-{os.getpid()}.so"
+            proc = subprocess.run([cxx, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling {source.name} failed:\n{proc.stderr[-2000:]}")
+            tmp.replace(lib)
+    return lib

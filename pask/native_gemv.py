@@ -1,0 +1,112 @@
+"""Native BF16-weight linear for decode steps (a few input rows) on CPUs without BF16 arithmetic.
+
+``native_gemv.cpp`` computes ``x W^T + b`` reading the bf16 weight in place, widening it to fp32
+exactly and accumulating in fp32: the fp32 product of the ``fp32`` / ``fp32-weights`` modes of
+:mod:`pask.bf16_matmul` up to summation order, at half the bytes of an fp32 weight copy and without
+PyTorch's slow bf16 GEMV. Built by :mod:`pask.native` on first use; a start-up probe compares it
+with ``F.linear`` in fp32 on random shapes. Without a compiler, if the probe fails, or with
+``PASK_NATIVE=0``, :func:`available` is False and callers keep their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pask import native
+
+SOURCE = Path(__file__).with_name("native_gemv.cpp")
+FLAGS = list(native.COMMON_FLAGS)
+MAX_ROWS = 16  # input rows up to which :func:`applies` (decode batches); larger inputs are GEMMs
+
+_LIB: ctypes.CDLL | None = None
+_STATE: str | None = None
+
+
+def _probe() -> str:
+    global _LIB
+    if native.disabled():
+        return "disabled by PASK_NATIVE=0"
+    try:
+        lib = ctypes.CDLL(str(native.build(SOURCE, FLAGS)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"unavailable: {e}"
+    f = lib.pask_linear_bf16
+    f.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    f.restype = ctypes.c_int
+    _LIB = lib
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n, bias in ((1, 64, 40, False), (3, 136, 17, True), (8, 256, 33, True), (11, 64, 5, False)):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        got = _call(x, w, b)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            _LIB = None
+            return f"probe mismatch (max abs error {float((got - want).abs().max()):.2e})"
+    return "ok"
+
+
+def available() -> bool:
+    """Whether the kernel is built, loaded and agrees with ``F.linear`` (cached per process)."""
+    global _STATE
+    if _STATE is None:
+        _STATE = _probe()
+        if _STATE != "ok" and not _STATE.startswith("disabled"):
+            warnings.warn(f"pask native gemv {_STATE}; using PyTorch's linear", stacklevel=2)
+    return _STATE == "ok"
+
+
+def status() -> str:
+    """``"ok"`` or why the kernel is not used."""
+    available()
+    return _STATE or "not probed"
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` serves this bf16 input and weight on the CPU (at most ``MAX_ROWS`` rows)."""
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and weight.shape[1] % 8 == 0
+        and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+        and weight.is_contiguous()
+        and available()
+    )
+
+
+def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k, n = weight.shape[1], weight.shape[0]
+    x32 = x.reshape(-1, k).float().contiguous()
+    b32 = None if bias is None else bias.float().contiguous()
+    y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+    rc = _LIB.pask_linear_bf16(
+        x32.shape[0],
+        k,
+        n,
+        x32.data_ptr(),
+        weight.data_ptr(),
+        None if b32 is None else b32.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native gemv rejected the shape ({x32.shape[0]} x {k} x {n})")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x.float(), weight.float(), bias.float())`` in fp32 (shape ``[..., N]``), reading
+    the bf16 ``weight [N, K]`` in place; callers check :func:`applies` first."""
+    if _LIB is None and not available():
+        raise RuntimeError(f"pask native gemv is {status()}")
+    return _call(x, weight, bias)

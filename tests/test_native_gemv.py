@@ -1,0 +1,83 @@
+"""The native bf16-weight gemv (decode-sized linear layers): agreement with F.linear, shapes, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pask import native_gemv as ng
+
+
+@pytest.fixture(scope="module")
+def gemv():
+    if not ng.available():
+        pytest.skip(f"native gemv: {ng.status()}")
+    return ng
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, ng.MAX_ROWS),
+    k8=st.integers(1, 80),
+    n=st.integers(1, 70),
+    bias=st.booleans(),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_the_fp32_product_of_the_bf16_values(m, k8, n, bias, scale, seed):
+    if not ng.available():
+        pytest.skip(ng.status())
+    gen = torch.Generator().manual_seed(seed)
+    k = 8 * k8  # 8 .. 640: the sliced reduction (x over 64 KB) appears from 16 rows x 1024
+    x = (torch.randn(m, k, generator=gen) * scale).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = ng.linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    tol = 1e-5 * (x.float().abs() @ w.float().abs().T).max() + 1e-6  # summation order only
+    assert (got - want).abs().max() <= tol
+
+
+def test_sliced_reduction_and_leading_dims(gemv):
+    gen = torch.Generator().manual_seed(1)
+    for m, k, n in ((16, 4864, 70), (8, 4864, 129), (3, 1032, 5)):  # x of 8 rows x 4864 is sliced
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        want = F.linear(x.float(), w.float())
+        assert (gemv.linear(x, w) - want).abs().max() <= 1e-4 * want.abs().max()
+    x3 = torch.randn(2, 1, 64, generator=gen).bfloat16()  # [batch, 1, K]: rows over all leading dims
+    w = torch.randn(24, 64, generator=gen).bfloat16()
+    assert gemv.linear(x3, w).shape == (2, 1, 24)
+    assert torch.allclose(gemv.linear(x3, w), F.linear(x3.float(), w.float()), atol=1e-4)
+
+
+def test_applies_only_to_decode_sized_bf16_inputs(gemv):
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert gemv.applies(torch.zeros(4, 64, dtype=torch.bfloat16), w)
+    assert gemv.applies(torch.zeros(ng.MAX_ROWS, 64, dtype=torch.bfloat16), w)
+    assert not gemv.applies(torch.zeros(ng.MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)  # a GEMM
+    assert not gemv.applies(torch.zeros(4, 64, dtype=torch.bfloat16), w.float())  # fp32 weight
+    assert not gemv.applies(torch.zeros(4, 60, dtype=torch.bfloat16), torch.zeros(16, 60, dtype=torch.bfloat16))
+    assert not gemv.applies(torch.zeros(4, 32, dtype=torch.bfloat16), w)  # K mismatch
+    assert not gemv.applies(torch.zeros(0, 64, dtype=torch.bfloat16), w)  # empty
+    assert not gemv.applies(torch.zeros(4, 64, dtype=torch.bfloat16), w.T.contiguous().T)  # not contiguous
+
+
+def test_disabled_by_environment_and_missing_compiler(monkeypatch, tmp_path):
+    monkeypatch.setattr(ng, "_STATE", None)
+    monkeypatch.setattr(ng, "_LIB", None)
+    monkeypatch.setenv("PASK_NATIVE", "0")
+    assert not ng.available() and ng.status() == "disabled by PASK_NATIVE=0"
+    assert not ng.applies(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16))
+    monkeypatch.setattr(ng, "_STATE", None)
+    monkeypatch.delenv("PASK_NATIVE")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PASK_CACHE", str(tmp_path))
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        assert not ng.available()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        ng.linear(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16))
