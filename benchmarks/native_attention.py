@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import shlex
 import sys
 import time
@@ -98,7 +99,8 @@ def markdown(r: dict) -> str:
         "",
         f"Synthetic BF16 K/V, {HKV} kv / {HKV * GRP} query heads, head_dim {D} (qwen2.5-coder-0.5b); "
         f"torch {r['torch']}, {r['threads']} thread(s), medians of {r['repeats']} interleaved runs. "
-        f"Kernel: {r['native_status']}.",
+        f"Kernel: {r['native_status']} ({r.get('native_isa')} build; CPU {r.get('cpu')}, PyTorch capability "
+        f"{r.get('torch_cpu_capability')}). PyTorch fused: `-` where its int4 GEMM is not available.",
         "",
         "| batch | context | mix (H/L/R) | B | SDPA full ms | PyTorch fused ms | native ms | native vs SDPA | "
         "native vs PyTorch fused |",
@@ -106,10 +108,11 @@ def markdown(r: dict) -> str:
     ]
     for c in r["attention"]:
         m = c["ms"]
+        fused = f"{m['torch_fused']:.3f}" if "torch_fused" in m else "-"
+        vs_fused = f"{c['native_vs_torch_fused']:.2f}x" if c["native_vs_torch_fused"] else "-"
         lines.append(
             f"| {c['batch']} | {c['context']} | {'/'.join(f'{x:g}' for x in c['mix'])} | {c['b_measured']:.3f} | "
-            f"{m['sdpa_full']:.3f} | {m.get('torch_fused', float('nan')):.3f} | {m['native']:.3f} | "
-            f"{c['native_vs_sdpa']:.2f}x | {c['native_vs_torch_fused'] or float('nan'):.2f}x |"
+            f"{m['sdpa_full']:.3f} | {fused} | {m['native']:.3f} | {c['native_vs_sdpa']:.2f}x | {vs_fused} |"
         )
     mv = r["move"]
     lines += [
@@ -140,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "repeats": args.repeats,
         "native_status": na.status(),
+        "native_isa": na.isa(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch_cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "attention": [],
     }
     with torch.no_grad():

@@ -93,6 +93,15 @@ void rows(int mt, const float* x, int64_t ldx, int64_t K, const uint16_t* w, flo
 
 extern "C" {
 
+// The instruction set the kernel was compiled for.
+const char* pask_gemv_isa() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 // Returns 0, or -1 for an unsupported shape (K not a multiple of 8, or a non-positive size).
 int pask_linear_bf16(int64_t M, int64_t K, int64_t N, const float* x, const uint16_t* w, const float* bias, float* y,
                      int nthreads) {

@@ -39,6 +39,7 @@ def _probe() -> str:
     f = lib.pask_linear_bf16
     f.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     f.restype = ctypes.c_int
+    lib.pask_gemv_isa.restype = ctypes.c_char_p
     _LIB = lib
     gen = torch.Generator().manual_seed(0)
     for m, k, n, bias in ((1, 64, 40, False), (3, 136, 17, True), (8, 256, 33, True), (11, 64, 5, False)):
@@ -67,6 +68,11 @@ def status() -> str:
     """``"ok"`` or why the kernel is not used."""
     available()
     return _STATE or "not probed"
+
+
+def isa() -> str | None:
+    """The instruction set the kernel was built for (``avx2`` or ``portable``), or None."""
+    return _LIB.pask_gemv_isa().decode() if available() and _LIB is not None else None
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -737,7 +737,9 @@ def machine() -> dict:
         "cpu_bf16": bf16_matmul.cpu_has_bf16(),
         "bf16_matmul": bf16_matmul.mode(),
         "native_attention": native_attention.status(),
+        "native_attention_isa": native_attention.isa(),
         "native_gemv": native_gemv.status(),
+        "native_gemv_isa": native_gemv.isa(),
     }
 
 

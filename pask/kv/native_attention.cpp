@@ -829,6 +829,17 @@ void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, 
 
 extern "C" {
 
+// The instruction set the decode kernels were compiled for.
+const char* pask_attention_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(PASK_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 // Returns 0, or -1 for an unsupported shape (nothing written). bits: the L tier's code width (4 or 2).
 // q, out: [nseq, hkv * grp, D] (q bf16, out f32); per-sequence arrays of pointers (null = no tier /
 // finished sequence) and slot counts. A sequence with neither tier gets zeros.

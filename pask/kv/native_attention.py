@@ -55,6 +55,7 @@ def _load() -> ctypes.CDLL:
     m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
     m.argtypes += [i64, ctypes.c_int64, vp, ctypes.c_int]
     m.restype = ctypes.c_int
+    lib.pask_attention_isa.restype = ctypes.c_char_p
     return lib
 
 
@@ -107,6 +108,11 @@ def status() -> str:
     """``"ok"`` or why the native kernel is not used."""
     available()
     return _STATE or "not probed"
+
+
+def isa() -> str | None:
+    """The instruction set the kernels were built for (``avx512``, ``avx2``, ``portable``), or None."""
+    return _LIB.pask_attention_isa().decode() if available() and _LIB is not None else None
 
 
 def applies(query: torch.Tensor, layer) -> bool:
