@@ -35,13 +35,9 @@ _LIB: ctypes.CDLL | None = None
 _STATE: str | None = None  # None: not tried; "ok"; or why it is unavailable
 
 
-def _compiler() -> str | None:
-    return native.compiler()
-
-
 def library_path() -> Path:
     """Where the compiled library lives (built if missing); raises RuntimeError without a compiler."""
-    return native.build(SOURCE, FLAGS, _compiler())
+    return native.build(SOURCE, FLAGS)
 
 
 def _load() -> ctypes.CDLL:
