@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shlex
 import sys
 import time
@@ -56,13 +57,22 @@ SaveTagsOpt = Annotated[bool, typer.Option(help="store per-token tags and prompt
 PolicyConfigOpt = Annotated[str | None, typer.Option(help="policy parameters as JSON")]
 TableOpt = Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")]
 TransferOpt = Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")]
+PrefillStoreOpt = Annotated[
+    Path | None,
+    typer.Option(help="reuse prompt prefills across runs from this directory (sets $PASK_PREFILL_STORE)"),
+]
 
 
-def _threads(n: int | None) -> None:
+def _threads(n: int | None, prefill_store: Path | None = None) -> None:
+    """Set torch's thread count and, if given, the prefill store (:mod:`pask.kv.prefill_store`)."""
     import torch
 
     if n:
         torch.set_num_threads(n)
+    if prefill_store is not None:
+        from pask.kv.prefill_store import ENV
+
+        os.environ[ENV] = str(prefill_store)
 
 
 def _dtype(name: str):
@@ -210,6 +220,7 @@ def eval_bfcl(
     policy_config: PolicyConfigOpt = None,
     table: TableOpt = None,
     allow_transfer: TransferOpt = False,
+    prefill_store: PrefillStoreOpt = None,
 ) -> None:
     """Evaluate BFCL categories; writes cases.jsonl, summary.json and summary.md (paper Table 1 layout)."""
     from pask.evaluation.run_bfcl import run_bfcl, table_markdown
@@ -222,7 +233,7 @@ def eval_bfcl(
         raise PaskError(f"no cases for categories {cats} in split '{split}'")
     build = _policy_builder("bfcl", policy, budget, policy_config, table, allow_transfer)
     out = out or Path("runs") / f"bfcl-{model.replace('/', '_')}-{policy}-{split}"
-    _threads(threads)
+    _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
     kv_policy = build(lm)
     meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats}
@@ -425,6 +436,7 @@ def tune(
     configs: Annotated[Path | None, typer.Option(help="file of chosen configurations")] = None,
     dtype: str = "bf16",
     threads: int | None = None,
+    prefill_store: PrefillStoreOpt = None,
 ) -> None:
     """Search a baseline's Table 8 grid on the dev split (resumable); record the best configuration."""
     from pask.evaluation.run_bfcl import run_bfcl
@@ -450,7 +462,7 @@ def tune(
     if not cases:
         raise PaskError(f"no cases for categories {cats} in split '{split}'")
     out = out or Path("runs") / f"tune-{model.replace('/', '_')}-{policy}-b{budget:g}"
-    _threads(threads)
+    _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
 
     def evaluate(name: str, b: float, params: dict) -> dict:
@@ -495,6 +507,7 @@ def eval_sql(
     policy_config: PolicyConfigOpt = None,
     table: TableOpt = None,
     allow_transfer: TransferOpt = False,
+    prefill_store: PrefillStoreOpt = None,
 ) -> None:
     """Text-to-SQL (Spider dev) by execution accuracy; writes cases.jsonl, summary.json, summary.md (Table 12)."""
     from pask.evaluation.run_sql import run_sql, select_cases, table_markdown
@@ -505,7 +518,7 @@ def eval_sql(
         raise PaskError(f"no text-to-SQL cases in split '{split}'")
     build = _policy_builder("sql", policy, budget, policy_config, table, allow_transfer)
     out = out or Path("runs") / f"sql-{model.replace('/', '_')}-{policy}-{split}"
-    _threads(threads)
+    _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
     kv_policy = build(lm)
     meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "limit": limit}
@@ -542,11 +555,13 @@ def sweep(
         list[str] | None,
         typer.Option(help="run only the cells matching KEY=V1,V2 (model, task, split, policy, budget; repeatable)"),
     ] = None,
+    prefill_store: PrefillStoreOpt = None,
 ) -> None:
     """Run an evaluation sweep: resumable cells, one progress bar, per-cell timing in a record file."""
     from pask.sweep import load_config, plan, record_path, run_sweep, select_cells
 
     cfg = load_config(config, results_dir=results, threads=threads)
+    _threads(None, prefill_store)
     if only:
         cfg = select_cells(cfg, only)
     if dry_run:

@@ -257,4 +257,5 @@ def load_model(
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.pask_load_seconds = time.perf_counter() - t0
-    return LoadedModel(name=display, model=model, tokenizer=tok, fingerprint=_fingerprint(model, path))
+    model._pask_fingerprint = _fingerprint(model, path)  # read by the prefill store
+    return LoadedModel(name=display, model=model, tokenizer=tok, fingerprint=model._pask_fingerprint)

@@ -50,6 +50,7 @@ import hashlib
 import importlib
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -729,7 +730,7 @@ def machine() -> dict:
     import platform
 
     from pask import bf16_matmul, native_gemv
-    from pask.kv import native_attention
+    from pask.kv import native_attention, prefill_store
 
     return {
         "cpu": platform.processor() or platform.machine(),
@@ -740,6 +741,7 @@ def machine() -> dict:
         "native_attention_isa": native_attention.isa(),
         "native_gemv": native_gemv.status(),
         "native_gemv_isa": native_gemv.isa(),
+        "prefill_store": bool(os.environ.get(prefill_store.ENV, "").strip()),  # prefills reused across runs
     }
 
 

@@ -242,3 +242,79 @@ def test_single_position_errors_match_the_batch_path():
             cache.apply(0, 0, pos, act)
         with pytest.raises(err):
             cache.apply(0, 0, torch.tensor([pos, 7]) if pos != 7 else torch.tensor([pos]), act)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.sampled_from([(2, 7, 64), (1, 3, 128), (2, 1, 64)]),
+    lengths=st.lists(st.integers(1, 200), min_size=1, max_size=3),
+    mix=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    seed=st.integers(0, 2**16),
+    bits=st.sampled_from([4, 2]),
+)
+def test_step_weights_match_the_explicit_softmax(native, shape, lengths, mix, seed, bits):
+    """The kernel's step attention (softmax weights averaged per kv head, H slots then L slots)
+    equals explicit_decode's FP32 softmax; the output is the plain kernel's."""
+    from pask.kv.stats import explicit_decode
+
+    hkv, grp, d = shape
+    ph = mix[0]
+    _, layer = _layer(hkv, grp, d, lengths, [(ph, (1 - ph) * mix[1], 0)] * len(lengths), seed=seed, bits=bits)
+    q = torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    scaling = d**-0.5
+    out, probs = native.decode_layer(layer, q, scaling, weights=True)
+    assert torch.equal(out, native.decode_layer(layer, q, scaling))
+    for b, store in enumerate(layer.seqs):
+        pos_h, pos_l = layer.positions(b, Action.H), layer.positions(b, Action.L)
+        _, ref, _, _ = explicit_decode(q[b], store, scaling, pos_h, pos_l)
+        assert probs[b].shape == ref.shape == (hkv, store.h.n + store.l.n)
+        torch.testing.assert_close(probs[b], ref, atol=2e-6, rtol=1e-4)
+        torch.testing.assert_close(probs[b].sum(-1), torch.ones(hkv), atol=1e-5, rtol=0)
+
+
+def test_step_weights_skip_dropped_rows(native):
+    cache, layer = _layer(2, 7, 64, [50, 80], [(0.5, 0.3, 0.2)] * 2)
+    cache.drop(0)
+    q = torch.randn(2, 14, 1, 64).to(torch.bfloat16)
+    _, probs = native.decode_layer(layer, q, 0.125, weights=True)
+    assert probs[0] is None and probs[1].shape[0] == 2
+
+
+def test_step_statistics_policy_decodes_through_the_kernel(native, monkeypatch):
+    """A policy asking for step attention (H2O) takes the native kernel in bf16, not explicit_decode,
+    and keeps its budget; its step statistics agree with the explicit path's."""
+    from pask.kv import stats as kv_stats
+    from pask.kv.runner import decode_with_policy
+    from pask.models import load_model
+    from pask.policies import get_policy
+
+    lm = load_model("smollm2-135m", dtype=torch.bfloat16)
+    rows = [lm.tokenizer("def add(a, b):\n    return a + b\n\n" * 6)["input_ids"]]
+    forced = [int(x) for x in torch.randint(100, 1000, (8,), generator=torch.Generator().manual_seed(0))]
+    seen = {"native": [], "explicit": []}
+    real_record = kv_stats.StatsCollector.record_step
+
+    def recording(self, layer, seq, probs, positions=None):
+        real_record(self, layer, seq, probs, positions)
+        if layer.layer_idx == 0:
+            seen[mode].append(self.step_attention[seq][0].clone())
+
+    monkeypatch.setattr(kv_stats.StatsCollector, "record_step", recording)
+    modes = (("native", CacheConfig(recent_window=4)), ("explicit", CacheConfig(recent_window=4, native=False)))
+    for mode, cfg in modes:
+        if mode == "native":
+            monkeypatch.setattr(kv_stats, "explicit_decode", lambda *a, **k: pytest.fail("explicit path taken"))
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(kv_stats.StatsCollector, "record_step", recording)
+        step = [0]
+
+        def nxt(row, logits, step=step):
+            step[0] += 1
+            return forced[step[0] - 1]
+
+        res = decode_with_policy(lm.model, rows, get_policy("h2o", budget=0.5), 8, cfg, nxt)
+        assert abs(res.budget.b_total - 0.5) <= 0.05
+    assert len(seen["native"]) == len(seen["explicit"]) == 7
+    for a, b in zip(seen["native"], seen["explicit"], strict=True):
+        torch.testing.assert_close(a, b, atol=0.02, rtol=0.05)  # bf16 forwards: same attention, summation order

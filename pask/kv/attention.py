@@ -143,7 +143,7 @@ def pask_attention_forward(
     layer = active_layer(key)
     if layer is None or layer.cache.mode == "prefill":
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        if layer is not None and (col := stats.collector_of(layer.cache)) is not None and col.request.prefill:
+        if layer is not None and (col := stats.collector_of(layer.cache)) is not None and col.prefill:
             scale = scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
             col.on_prefill(module, layer, query, key, value, scale)
         return out
@@ -157,8 +157,15 @@ def pask_attention_forward(
     col = stats.collector_of(layer.cache)
     explicit = col is not None and col.request.step and qn == 1  # a policy asked for step statistics
     cfg = layer.cache.config
-    if not explicit and qn == 1 and cfg.fast_path and cfg.native and native_attention.applies(query, layer):
-        return native_attention.decode_layer(layer, query, scale), None
+    native = qn == 1 and cfg.fast_path and cfg.native and (not explicit or col.native_step)
+    if native and native_attention.applies(query, layer):
+        if not explicit:
+            return native_attention.decode_layer(layer, query, scale), None
+        out, probs = native_attention.decode_layer(layer, query, scale, weights=True)  # + the step attention
+        for b, p in enumerate(probs):
+            if p is not None:
+                col.record_step(layer, b, p)
+        return out, None
     for b in range(bsz):
         if layer.seqs[b] is None:
             continue

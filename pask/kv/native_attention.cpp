@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -132,11 +133,14 @@ struct State {
   alignas(64) float odd[MAXR][MAXD / 2];
   alignas(64) float zs[MAXR][MAXD / QG];
   alignas(64) float sc[MAXR][BT];  // scores of the current block, then its probabilities
+  float* trace = nullptr;  // if set: every block's scores, row r at trace + r * tstride (stream order)
+  int64_t tstride = 0, toff = 0;
 
   void init(int g_, int d_) {
     grp = g_;
     D = d_;
     G = d_ / QG;
+    toff = 0;
     for (int r = 0; r < grp; ++r) {
       m[r] = -INFINITY;
       l[r] = 0.0f;
@@ -150,6 +154,10 @@ struct State {
   // Online-softmax step over sc[r][0..nt): rescale the running state, turn scores into weights
   // (weights of slots nt..BT-1 are set to 0).
   void absorb(int nt) {
+    if (trace != nullptr) {
+      for (int r = 0; r < grp; ++r) std::copy(sc[r], sc[r] + nt, trace + r * tstride + toff);
+      toff += nt;
+    }
     for (int r = 0; r < grp; ++r) {
       float* s = sc[r];
       const float mn = std::max(m[r], block_max(s, nt));
@@ -228,6 +236,17 @@ struct State {
     return sum;
   }
 #endif
+
+  // The final softmax weights of the traced scores, averaged over the query rows: p[0..tstride).
+  void weights(float* p) const {
+    for (int64_t t = 0; t < tstride; ++t) p[t] = 0.0f;
+    for (int r = 0; r < grp; ++r) {
+      if (!(l[r] > 0.0f)) continue;
+      const float inv = 1.0f / (l[r] * static_cast<float>(grp));
+      const float* s = trace + r * tstride;
+      for (int64_t t = 0; t < tstride; ++t) p[t] += fexp(s[t] - m[r]) * inv;
+    }
+  }
 
   void write(float* out) const {
     for (int r = 0; r < grp; ++r) {
@@ -843,11 +862,13 @@ const char* pask_attention_isa() {
 // Returns 0, or -1 for an unsupported shape (nothing written). bits: the L tier's code width (4 or 2).
 // q, out: [nseq, hkv * grp, D] (q bf16, out f32); per-sequence arrays of pointers (null = no tier /
 // finished sequence) and slot counts. A sequence with neither tier gets zeros.
+// probs (may be null; so may each entry): per sequence fp32 [hkv, hn + ln], the softmax weights of
+// its H slots then its L slots, averaged over each kv head's query rows (the step attention).
 int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const uint16_t* q,
                       const void* const* kh, const void* const* vh, const int64_t* hcap, const int64_t* hn,
                       const void* const* kq, const void* const* ksz, const void* const* vq,
                       const void* const* vs, const void* const* vz, const int64_t* lcap, const int64_t* ln,
-                      const void* const* kbal, float* out, int nthreads, int bits) {
+                      const void* const* kbal, float* out, int nthreads, int bits, void* const* probs) {
   if (D % QG != 0 || D > MAXD || D <= 0 || grp < 1 || grp > MAXR || hkv < 1 || nseq < 0) return -1;
   if (bits != 4 && bits != 2) return -1;
   const int ntask = nseq * hkv;
@@ -874,12 +895,20 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
       }
     State st;
     st.init(grp, D);
+    float* pw = probs != nullptr && probs[b] != nullptr ? static_cast<float*>(probs[b]) : nullptr;
+    std::vector<float> trace;
+    if (pw != nullptr) {
+      st.tstride = s.hn + s.ln;
+      trace.resize(static_cast<size_t>(grp) * st.tstride);
+      st.trace = trace.data();
+    }
     if (s.hn > 0) h_stream(st, qb, qh, scaling, s, h);
     if (s.ln > 0) {
       if (bits == 2) l2_stream(st, qf, scaling, s, h);
       else l_stream(st, qf, scaling, s, h);
     }
     st.write(o);
+    if (pw != nullptr) st.weights(pw + static_cast<int64_t>(h) * st.tstride);
   }
   return 0;
 }

@@ -45,7 +45,7 @@ def _load() -> ctypes.CDLL:
     f = lib.pask_decode_layer
     vp, i64 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
     f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp, vp, i64, i64] + [vp] * 5 + [i64, i64, vp, vp]
-    f.argtypes += [ctypes.c_int, ctypes.c_int]
+    f.argtypes += [ctypes.c_int, ctypes.c_int, vp]
     f.restype = ctypes.c_int
     m = lib.pask_move_to_low
     m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
@@ -138,8 +138,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-def decode_layer(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Decode attention of ``query [B, Hq, 1, D]`` (bf16) over every sequence of ``layer`` -> ``[B, 1, Hq, D]``."""
+def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = False):
+    """Decode attention of ``query [B, Hq, 1, D]`` (bf16) over every sequence of ``layer`` -> ``[B, 1, Hq, D]``.
+
+    ``weights=True`` returns ``(out, probs)`` instead: per row (None for a dropped row) the fp32
+    softmax weights ``[Hkv, n_H + n_L]`` of its H slots then its L slots, averaged over the query
+    heads of each kv head (the kernel's own weights, from its exp; what :func:`explicit_decode`
+    computes in PyTorch).
+    """
     if _LIB is None and not available():
         raise RuntimeError(f"pask native attention is {status()}")
     bsz, hq, _, d = query.shape
@@ -165,6 +171,11 @@ def decode_layer(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
             lcap[b], ln[b] = st.l.cap, st.l.n
     ptrs = {k: (ctypes.c_void_p * bsz)(*v) for k, v in arrays.items()}
     i64 = ctypes.c_int64 * bsz
+    probs = None
+    if weights:
+        live = [b < len(seqs) and seqs[b] is not None for b in range(bsz)]
+        probs = [torch.empty(hkv, hn[b] + ln[b]) if live[b] else None for b in range(bsz)]
+        ptrs["probs"] = (ctypes.c_void_p * bsz)(*[None if p is None else p.data_ptr() for p in probs])
     rc = _LIB.pask_decode_layer(
         bsz,
         hkv,
@@ -187,10 +198,12 @@ def decode_layer(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         out.data_ptr(),
         torch.get_num_threads(),
         layer.cache.config.low_bits,
+        ptrs.get("probs"),
     )
     if rc != 0:
         raise RuntimeError(f"native attention rejected the shape (Hkv {hkv}, Hq {hq}, D {d})")
-    return out.view(bsz, 1, hq, d).to(query.dtype)
+    out = out.view(bsz, 1, hq, d).to(query.dtype)
+    return (out, probs) if weights else out
 
 
 def move_applies(stores: list) -> bool:

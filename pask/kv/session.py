@@ -18,6 +18,7 @@ from pask.kv import stats
 from pask.kv.attention import enable_pask_attention
 from pask.kv.budget import CostModel
 from pask.kv.cache import CacheConfig, TieredCache, config_for
+from pask.kv.prefill_store import STORED_WINDOWS, PrefillEntry, PrefillStore
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.policies.base import Policy, SeqContext
 
@@ -85,9 +86,16 @@ class DenseSession:
 class TieredSession:
     """A TieredCache and a policy deciding H / INT4 / release per token x layer group."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, config: CacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        policy: Policy,
+        config: CacheConfig | None = None,
+        store: PrefillStore | None = None,
+    ) -> None:
         self.model, self.policy = model, policy
         self.config = config_for(policy, config)
+        self.store = store if store is not None else PrefillStore.from_env(model)
         self._prev_attn = enable_pask_attention(model)
 
     def close(self) -> None:
@@ -103,13 +111,25 @@ class TieredSession:
         self.final: dict[int, dict] = {}
         self.cache = TieredCache(self.model.config, self.config, batch_size=len(rows))
         request = StatsRequest.of(self.policy)
-        self.stats = StatsCollector(request, self.cache.spec.num_layers, len(rows)) if request.any else None
+        stored = [self.store.get(r, request) for r in rows] if self.store is not None else []
+        hit = bool(stored) and all(e is not None for e in stored)
+        if request.any or (self.store is not None and not hit):
+            record = (STORED_WINDOWS, True) if self.store is not None and not hit else ((), False)
+            self.stats = StatsCollector(request, self.cache.spec.num_layers, len(rows), *record)
+        else:
+            self.stats = None
         stats.attach(self.cache, self.stats)
         ids, mask, pos, pads = left_pad(rows, 0)
         self.cache.begin_prefill(pads)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1
-        )
+        if hit:
+            logits = self._load_prefill(stored, pads)
+        else:
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1
+            )
+            logits = out.logits[:, -1]
+            if self.store is not None:
+                self._store_prefill(rows, logits)
         layer = self.cache.layers[0]
         spec = self.cache.spec
         self.int4_cost = CostModel(
@@ -120,7 +140,30 @@ class TieredSession:
             if self.stats is not None:
                 extra["prefill_attention"], extra["prefill_value_norm"] = self.stats.take_prefill(row)
             self._decide(self.policy.prefill_actions, row, [], extra)
-        return out.logits[:, -1]
+        return logits
+
+    def _load_prefill(self, entries: list[PrefillEntry], pads: list[int]) -> torch.Tensor:
+        """Fill the cache (and the statistics) from stored prefills, as the forward would have."""
+        width = max(e.prompt_len for e in entries)
+        for li in range(len(entries[0].keys)):
+            k0 = entries[0].keys[li]
+            shape = (len(entries), k0.shape[0], width, k0.shape[2])
+            k, v = k0.new_zeros(shape), k0.new_zeros(shape)
+            for b, e in enumerate(entries):
+                k[b, :, pads[b] :], v[b, :, pads[b] :] = e.keys[li], e.values[li]
+            self.cache.update(k, v, li)
+        if self.stats is not None:
+            for b, e in enumerate(entries):
+                self.stats.put_prefill(b, e.window_attention, e.value_norm)
+        return torch.stack([e.logits for e in entries])
+
+    def _store_prefill(self, rows: list[list[int]], logits: torch.Tensor) -> None:
+        """Keep every row's prefill (K/V as stored, last logits, all statistics) for later runs."""
+        for b, ids in enumerate(rows):
+            windows, vn = self.stats.recorded_prefill(b)
+            layers = [layer.seqs[b].h for layer in self.cache.layers]
+            entry = PrefillEntry([h.view("k") for h in layers], [h.view("v") for h in layers], logits[b], windows, vn)
+            self.store.put(ids, entry)
 
     def step(self, last: list[int | None], tags: list[list]) -> torch.Tensor:
         live = [i for i, t in enumerate(last) if t is not None]

@@ -34,6 +34,7 @@ path. A policy that asks for nothing costs one attribute lookup per layer call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,16 +80,29 @@ class StatsRequest:
         return self.prefill or self.step
 
 
+@functools.cache
+def _bf16_gemm_is_slow() -> bool:
+    from pask.bf16_matmul import cpu_has_bf16
+
+    return not cpu_has_bf16()
+
+
+def _gemm_dtype(t: torch.Tensor) -> torch.Tensor:
+    """BF16 operands in FP32 on CPUs without BF16 arithmetic (PyTorch's BF16 GEMM is ~5x slower there)."""
+    return t.float() if t.dtype == torch.bfloat16 and t.device.type == "cpu" and _bf16_gemm_is_slow() else t
+
+
 def window_attention(q: torch.Tensor, k: torch.Tensor, window: int, scaling: float) -> torch.Tensor:
     """Attention of the last ``window`` of ``q [Hq, P, D]`` over ``k [Hkv, P, D]`` (causal) -> ``[Hkv, P]``.
 
     Summed over the window's queries, averaged over the query heads of each kv head. ``q @ k^T``
-    runs in the inputs' dtype (BF16 in production: the fast CPU GEMM), the softmax in FP32.
+    runs in BF16 where the CPU has BF16 arithmetic, else in FP32; the softmax in FP32.
     """
     hq, p, d = q.shape
     hkv = k.shape[0]
     grp = hq // hkv
     w = min(window, p)
+    q, k = _gemm_dtype(q), _gemm_dtype(k)
     kt = k.transpose(1, 2)  # [Hkv, D, P]
     out = torch.zeros(hkv, p)
     cols = torch.arange(p)
@@ -110,7 +124,7 @@ def value_output_norm(v: torch.Tensor, o_proj: torch.Tensor, num_q_heads: int) -
     """
     hkv, p, d = v.shape
     grp = num_q_heads // hkv
-    wo = o_proj.detach().t().reshape(num_q_heads, d, -1)  # [Hq, D, hidden]
+    wo = _gemm_dtype(o_proj.detach()).t().reshape(num_q_heads, d, -1)  # [Hq, D, hidden]
     out = torch.zeros(hkv, p)
     for h in range(num_q_heads):
         j = h // grp
@@ -148,30 +162,54 @@ def explicit_decode(
 
 
 class StatsCollector:
-    """Collects the statistics a :class:`StatsRequest` asks for, per row of one TieredCache."""
+    """Collects the statistics a :class:`StatsRequest` asks for, per row of one TieredCache.
 
-    def __init__(self, request: StatsRequest, num_layers: int, num_rows: int):
+    ``extra_windows`` / ``all_value_norms``: also record the window attention of these windows and
+    the value-output norms whatever the request (what a prefill store keeps for other policies).
+    """
+
+    def __init__(
+        self,
+        request: StatsRequest,
+        num_layers: int,
+        num_rows: int,
+        extra_windows: tuple[int, ...] = (),
+        all_value_norms: bool = False,
+    ):
         self.request = request
         self.num_layers = num_layers
-        self.prefill_attention: list[torch.Tensor | None] = [None] * num_rows
+        asked = (request.prefill_window,) if request.prefill_window > 0 else ()
+        self.windows = tuple(dict.fromkeys(asked + tuple(extra_windows)))
+        self.value_norms = request.prefill_value_norm or all_value_norms
+        self.prefill_attention: list[dict[int, torch.Tensor] | None] = [None] * num_rows
         self.prefill_value_norm: list[torch.Tensor | None] = [None] * num_rows
         self.step_attention: list[torch.Tensor | None] = [None] * num_rows
         self.step_scores: list[torch.Tensor | None] = [None] * num_rows
 
+    @property
+    def prefill(self) -> bool:
+        """Whether anything is recorded during the prefill forward."""
+        return bool(self.windows) or self.value_norms
+
     # -- prefill ------------------------------------------------------------------------------
     def on_prefill(self, module, layer, query, key, value, scaling: float) -> None:
         """Record the prefill statistics of one layer (``query [B, Hq, T, D]``, ``key/value [B, Hkv, T, D]``)."""
-        req, cache = self.request, layer.cache
+        cache = layer.cache
         li = layer.layer_idx
         for b in range(query.shape[0]):
             if layer.seqs[b] is None:
                 continue
             pad = cache.pad_lengths[b]
             p = query.shape[2] - pad
-            if req.prefill_window > 0:
-                att = window_attention(query[b, :, pad:], key[b, :, pad:], req.prefill_window, scaling)
-                self._row(self.prefill_attention, b, (self.num_layers, att.shape[0], p))[li] = att
-            if req.prefill_value_norm:
+            for w in dict.fromkeys(covering(w, p) for w in self.windows):
+                att = window_attention(query[b, :, pad:], key[b, :, pad:], w, scaling)
+                if self.prefill_attention[b] is None:
+                    self.prefill_attention[b] = {}
+                row = self.prefill_attention[b]
+                if w not in row:
+                    row[w] = torch.zeros(self.num_layers, att.shape[0], p)
+                row[w][li] = att
+            if self.value_norms:
                 o_proj = getattr(getattr(module, "o_proj", None), "weight", None)
                 if o_proj is None:
                     raise UnsupportedModelError(f"{type(module).__name__} has no o_proj: no value-output norms")
@@ -183,11 +221,25 @@ class StatsCollector:
             store[b] = torch.zeros(shape)
         return store[b]
 
+    def recorded_prefill(self, row: int) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """Everything recorded for ``row`` at prefill: ``({window: [layers, Hkv, P]}, value norms)``."""
+        return dict(self.prefill_attention[row] or {}), self.prefill_value_norm[row]
+
+    def put_prefill(self, row: int, windows: dict[int, torch.Tensor], value_norm: torch.Tensor | None) -> None:
+        """Hand ``row`` statistics computed elsewhere (a stored prefill) instead of recording them."""
+        self.prefill_attention[row] = dict(windows)
+        self.prefill_value_norm[row] = value_norm
+
     def take_prefill(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The prefill statistics of ``row`` (released by the collector afterwards)."""
-        out = (self.prefill_attention[row], self.prefill_value_norm[row])
+        """The prefill statistics the request asked for, of ``row`` (released by the collector afterwards)."""
+        req = self.request
+        windows, vn = self.prefill_attention[row] or {}, self.prefill_value_norm[row]
+        att = None
+        if req.prefill_window > 0 and windows:
+            p = next(iter(windows.values())).shape[-1]
+            att = windows[covering(req.prefill_window, p)]
         self.prefill_attention[row] = self.prefill_value_norm[row] = None
-        return out
+        return att, vn if req.prefill_value_norm else None
 
     # -- decode -------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -201,18 +253,37 @@ class StatsCollector:
         req = self.request
         pos_h, pos_l = layer.positions(seq, Action.H), layer.positions(seq, Action.L)
         out, probs, positions, extra = explicit_decode(q, layer.seqs[seq], scaling, pos_h, pos_l, req.step_scorer)
-        length = layer.cache.seq_length(seq)
         li = layer.layer_idx
         if req.step_attention:
-            buf = self._row(self.step_attention, seq, (self.num_layers, probs.shape[0], length))
-            buf[li][:, positions] = probs
+            self.record_step(layer, seq, probs, positions)
+        length = layer.cache.seq_length(seq)
         if extra is not None:
             buf = self._row(self.step_scores, seq, (self.num_layers, *extra.shape[:-1], length))
             buf[li][..., positions] = extra.float()
         return out
 
+    def record_step(self, layer, seq: int, probs: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Record the step attention ``probs [Hkv, n]`` of row ``seq`` in ``layer`` (columns: its H slots
+        then its L slots, unless ``positions`` names them)."""
+        if positions is None:
+            store = layer.seqs[seq]
+            pos_h, pos_l = layer.positions(seq, Action.H), layer.positions(seq, Action.L)
+            positions = torch.cat([pos_h[: store.h.n], pos_l[: store.l.n]]).long()
+        buf = self._row(self.step_attention, seq, (self.num_layers, probs.shape[0], layer.cache.seq_length(seq)))
+        buf[layer.layer_idx][:, positions] = probs
+
+    @property
+    def native_step(self) -> bool:
+        """Whether the step statistics asked for are what the native kernel reports (weights only)."""
+        return self.request.step_attention and self.request.step_scorer is None
+
     def take_step(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.step_attention[row], self.step_scores[row]
+
+
+def covering(window: int, prompt_len: int) -> int:
+    """The window as recorded: one that covers the whole prompt is the same statistic as ``ALL``."""
+    return ALL if window >= prompt_len else window
 
 
 def attach(cache, collector: StatsCollector | None) -> None:
