@@ -318,6 +318,7 @@ def calibrate(
     batch_size: int = 8,
     dtype: str = "bf16",
     threads: int | None = None,
+    prefill_store: PrefillStoreOpt = None,
 ) -> None:
     """Offline calibration: sensitivity floors + distortion-ranked upgrades -> frozen PASK table."""
     from pask.calibration.calibrate import calibrate_command, report_path_for
@@ -329,7 +330,7 @@ def calibrate(
     for name, a in (("--alpha-d", alpha_d), ("--alpha-p", alpha_p)):
         if not 0 <= a < 1:
             raise PaskError(f"{name} must be in [0, 1), got {a}")
-    _threads(threads)
+    _threads(threads, prefill_store)
     with progress_bar() as bar:
         tasks: dict[str, int] = {}
 

@@ -55,25 +55,32 @@ def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config
     ``policy=None`` decodes with Full KV (``DynamicCache``); a policy runs the tiered cache.
     """
     from pask.kv.session import DenseSession, TieredSession
+    from pask.masked_head import MaskedHead, masked_head_enabled
 
     model, tok = lm.model, lm.tokenizer
     eos = set(eos_ids(tok))
     token_bytes = ll_tokenizer(tok, sorted(eos)).decode_bytes
     kv = DenseSession(model, tok.pad_token_id) if policy is None else TieredSession(model, policy, cache_config)
     closers = closing_tokens(tok, eos)
-
+    head = MaskedHead(model) if masked_head_enabled() and any(r.constraint for r in requests) else None
     try:
-        generated, tags, stop, prefill_ms, tpot_ms = _decode(kv, requests, eos, token_bytes, closers)
+        generated, tags, stop, prefill_ms, tpot_ms = _decode(kv, requests, eos, token_bytes, closers, head)
     finally:
         kv.close()
+        if head is not None:
+            head.close()
     results = []
     for i, r in enumerate(requests):
         results.append(make_generation(tok, r, generated[i], tags[i], stop[i], prefill_ms, tpot_ms, kv.budget(i)))
     return results
 
 
-def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: torch.Tensor) -> tuple:
-    """Prefill, then one token per live row per step until every row has stopped."""
+def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: torch.Tensor, head=None) -> tuple:
+    """Prefill, then one token per live row per step until every row has stopped.
+
+    With a :class:`~pask.masked_head.MaskedHead`, each step's grammar masks are computed before
+    the forward, so that the head computes only the allowed logits of narrow rows.
+    """
     b = len(requests)
     t0 = time.perf_counter()
     logits = kv.prefill(requests)
@@ -84,9 +91,10 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: to
     tags: list[list] = [[] for _ in range(b)]
     stop: list[str | None] = [None] * b
     steps, t1 = 0, time.perf_counter()
+    fresh = False  # whether bitmask already holds this step's masks
     while True:
         live = [s is None for s in stop]
-        nxt = pick_tokens(logits, requests, generated, live, bitmask, closers)
+        nxt = pick_tokens(logits, requests, generated, live, bitmask, closers, masked=fresh)
         for i, r in enumerate(requests):
             if stop[i] is None:
                 stop[i] = accept_token(r, nxt[i], generated[i], tags[i], eos, token_bytes)
@@ -94,10 +102,32 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: to
                     kv.finish(i)
         if all(s is not None for s in stop):
             break
+        if head is not None:
+            fresh = plan_head(head, requests, [s is None for s in stop], bitmask, logits.shape[-1])
         logits = kv.step([g[-1] if stop[i] is None else None for i, g in enumerate(generated)], tags)
         steps += 1
     tpot_ms = (time.perf_counter() - t1) * 1e3 / max(steps, 1)
     return generated, tags, stop, prefill_ms, tpot_ms
+
+
+_NOTHING = torch.empty(0, dtype=torch.long)
+
+
+def plan_head(head, requests: list[Request], live: list[bool], bitmask: torch.Tensor, vocab: int) -> bool:
+    """Fill the next step's masks of the live constrained rows and give ``head`` their allowed tokens."""
+    from pask.masked_head import allowed_tokens
+
+    plan: list[torch.Tensor | None] = []
+    for i, r in enumerate(requests):
+        if not live[i]:
+            plan.append(_NOTHING)  # a finished row still in the batch needs no logits
+        elif r.constraint is not None:
+            r.constraint.mask(bitmask, i)
+            plan.append(allowed_tokens(bitmask[i], vocab))
+        else:
+            plan.append(None)
+    head.plan = plan
+    return True
 
 
 def pick_tokens(
@@ -107,8 +137,11 @@ def pick_tokens(
     live: list[bool],
     bitmask: torch.Tensor,
     closers: torch.Tensor,
+    masked: bool = False,
 ) -> list[int]:
     """Greedy next token of each row under its grammar (``bitmask`` from ``allocate_mask``, >= rows).
+
+    ``masked``: ``bitmask`` already holds the live constrained rows' masks for this step.
 
     A live row in its closing phase (the last ``close_margin`` tokens of its allowance) takes the
     first legal token of ``closers`` instead (see :func:`closing_tokens`). Rows that are not live get
@@ -117,7 +150,8 @@ def pick_tokens(
     logits = logits.float()
     for i, r in enumerate(requests):
         if r.constraint is not None and live[i]:
-            r.constraint.mask(bitmask, i)
+            if not masked:
+                r.constraint.mask(bitmask, i)
         else:
             bitmask[i].fill_(-1)
     apply_mask(logits, bitmask[: len(requests)])

@@ -62,6 +62,8 @@ class DenseSession:
             self.cache.batch_select_indices(idx)
             self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
             self.rows = [self.rows[i] for i in keep]
+        if (head := getattr(self.model, "_pask_masked_head", None)) is not None:
+            head.select(self.rows)  # the forward holds the unfinished rows only
         feed = torch.tensor([[last[r] if last[r] is not None else self.pad_id] for r in self.rows])
         self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=self.mask.dtype)], dim=1)
         out = self.model(

@@ -1,0 +1,94 @@
+"""Masked LM head: under a grammar, a decode step computes only the logits the grammar allows.
+
+In grammar-constrained decoding most steps allow very few tokens: replaying the Full KV outputs of
+40 BFCL test cases through their grammars, 63 % of steps allow exactly one token (scaffold such as
+``{"name": "``), 25 % at most 16, 4 % at most 1024, and only 9 % more (free strings). The LM head
+(151936 x 896 for the Qwen2.5 models, 28 % of the 0.5B model's weights) is then mostly wasted work:
+at batch 16 on a 2-core CPU it is a quarter of a decode step.
+
+:class:`MaskedHead` wraps a model's output embedding for one decode loop. Before each step the
+engine hands it, per batch row, the allowed token ids (``None`` for an unconstrained or wide row);
+the head then computes the full product only for the wide rows (one GEMV for all of them), and for
+each narrow row the dot products with the gathered rows of the weight, FP32 like the full product;
+every other logit is ``-inf``, as the grammar's mask would make it. The greedy token is the same up
+to the summation order of the dot products. A forward with more than one position (prefill) or
+without a plan runs the original head.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+NARROW = 1024  # rows allowing at most this many tokens get the gathered product
+ENV = "PASK_MASKED_HEAD"  # "0" turns the masked head off
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def masked_head_enabled() -> bool:
+    """Whether decode loops use the masked head (``PASK_MASKED_HEAD``, default on; ``0`` turns it off)."""
+    return os.environ.get(ENV, "1").strip() != "0"
+
+
+def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int, limit: int = NARROW) -> torch.Tensor | None:
+    """The token ids set in one llguidance bitmask row (int32 words), or None if more than ``limit``."""
+    bits = ((bitmask_row.reshape(-1, 1) >> _SHIFTS) & 1).reshape(-1)[:vocab_size]
+    idx = bits.nonzero().reshape(-1)
+    return idx if idx.numel() <= limit else None
+
+
+class MaskedHead:
+    """The output embedding of ``model`` computing only planned logits (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear):
+            raise TypeError(f"masked head needs an nn.Linear output embedding, got {type(head).__name__}")
+        self.head, self.model = head, model
+        self._had_own = "forward" in head.__dict__
+        self._orig = head.forward
+        self.plan: list[torch.Tensor | None] | None = None
+        self.narrow_rows = self.full_rows = 0  # counts of rows served each way
+        head.forward = self._forward
+        model._pask_masked_head = self
+
+    def close(self) -> None:
+        """Give the head back its own forward."""
+        if self._had_own:
+            self.head.forward = self._orig
+        else:
+            del self.head.forward
+        if getattr(self.model, "_pask_masked_head", None) is self:
+            del self.model._pask_masked_head
+
+    def select(self, rows: list[int]) -> None:
+        """Keep the plan of these batch rows only (a session that left finished rows out of its forward)."""
+        if self.plan is not None:
+            self.plan = [self.plan[r] for r in rows]
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan, self.plan = self.plan, None  # a plan serves one forward
+        if plan is None or x.dim() != 3 or x.shape[1] != 1 or len(plan) != x.shape[0]:
+            return self._orig(x)
+        wide = [i for i, a in enumerate(plan) if a is None]
+        if len(wide) == len(plan):
+            self.full_rows += len(wide)
+            return self._orig(x)
+        w = self.head.weight
+        out = torch.full((x.shape[0], 1, w.shape[0]), -torch.inf, dtype=x.dtype)
+        if wide:
+            out[wide] = self._orig(x[wide])
+        w32 = self.head._buffers.get("pask_weight_fp32")
+        bias = self.head.bias
+        for i, idx in enumerate(plan):
+            if idx is None or idx.numel() == 0:
+                continue
+            rows = (w32 if w32 is not None else w)[idx].float()
+            logits = rows @ x[i, 0].float()
+            if bias is not None:
+                logits = logits + bias[idx].float()
+            out[i, 0, idx] = logits.to(out.dtype)
+        self.narrow_rows += len(plan) - len(wide)
+        self.full_rows += len(wide)
+        return out
