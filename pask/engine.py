@@ -103,7 +103,8 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: to
         if all(s is not None for s in stop):
             break
         if head is not None:
-            fresh = plan_head(head, requests, [s is None for s in stop], bitmask, logits.shape[-1])
+            plan_head(head, requests, [s is None for s in stop], bitmask, logits.shape[-1])
+            fresh = True
         logits = kv.step([g[-1] if stop[i] is None else None for i, g in enumerate(generated)], tags)
         steps += 1
     tpot_ms = (time.perf_counter() - t1) * 1e3 / max(steps, 1)
@@ -113,7 +114,7 @@ def _decode(kv, requests: list[Request], eos: set[int], token_bytes, closers: to
 _NOTHING = torch.empty(0, dtype=torch.long)
 
 
-def plan_head(head, requests: list[Request], live: list[bool], bitmask: torch.Tensor, vocab: int) -> bool:
+def plan_head(head, requests: list[Request], live: list[bool], bitmask: torch.Tensor, vocab: int) -> None:
     """Fill the next step's masks of the live constrained rows and give ``head`` their allowed tokens."""
     from pask.masked_head import allowed_tokens
 
@@ -127,7 +128,6 @@ def plan_head(head, requests: list[Request], live: list[bool], bitmask: torch.Te
         else:
             plan.append(None)
     head.plan = plan
-    return True
 
 
 def pick_tokens(

@@ -220,17 +220,18 @@ def resolve_model_dir(name_or_path: str) -> tuple[str, str]:
     raise PaskError(f"unknown model '{name_or_path}': not an embedded model ({known}), a local directory or a hub id")
 
 
-def _fingerprint(model: torch.nn.Module, path: str) -> str:
+def _fingerprint(model: torch.nn.Module, path: str | None) -> str:
+    """Architecture + weights hash (the converted cache's recorded hash where ``path`` has one)."""
     cfg = model.config
     arch = f"{cfg.model_type}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}"
-    ready = Path(path) / "pask-ready"
-    if ready.exists():
+    ready = Path(path) / "pask-ready" if path else None
+    if ready is not None and ready.exists():
         wh = ready.read_text().strip()[:16]
     else:
         h = hashlib.sha256()
         for name, t in sorted(model.state_dict().items())[:8]:
             h.update(name.encode())
-            h.update(t.float().flatten()[:256].numpy().tobytes())
+            h.update(t.detach().float().flatten()[:256].numpy().tobytes())
         wh = h.hexdigest()[:16]
     return f"{arch}:{wh}"
 

@@ -14,13 +14,13 @@ policy — the policies act on the cache after it — so a :class:`PrefillStore`
 
 A batch whose prompts are all stored skips the forward; otherwise it runs as usual and stores
 every row (the statistics add ~10 % to that forward). The key covers the format, the model
-(architecture + weights hash), its dtype, whether its bf16 layers take fp32 products, and the torch / transformers
-versions and the prompt's token ids; a prefill of a row in another batch differs from it at most
+(architecture + weights hash), its dtype, whether its bf16 layers take fp32 products, the torch
+and transformers versions and the prompt's token ids; a prefill of a row in another batch differs from it at most
 by the GEMM's summation order. Entries are ``torch.save`` files written atomically (tmp +
 rename) and read with ``weights_only=True``; an unreadable or mismatching entry counts as a miss.
 
 Enabled by ``PASK_PREFILL_STORE=DIR`` (or ``--prefill-store DIR`` of ``pask eval`` / ``tune`` /
-``sweep``); about 12 KB per prompt token and layer-set for the 0.5B model (24 layers, 2 kv heads
+``calibrate`` / ``sweep``); about 12 KB per prompt token and layer-set for the 0.5B model (24 layers, 2 kv heads
 of 64) plus 0.3-0.6 MB of logits per prompt. Delete the directory to reclaim it.
 """
 
@@ -64,15 +64,10 @@ class PrefillEntry:
 
 
 def model_identity(model: torch.nn.Module) -> str:
-    """Architecture + weights hash (``load_model`` sets it; else a hash of the first tensors)."""
-    fp = getattr(model, "_pask_fingerprint", None)
-    if fp:
-        return str(fp)
-    h = hashlib.sha256(str(model.config.to_dict() if hasattr(model.config, "to_dict") else model.config).encode())
-    for name, t in sorted(model.state_dict().items())[:8]:
-        h.update(name.encode())
-        h.update(t.detach().float().flatten()[:256].numpy().tobytes())
-    return h.hexdigest()[:24]
+    """Architecture + weights hash: the one ``load_model`` recorded, else computed the same way."""
+    from pask.models import _fingerprint
+
+    return str(getattr(model, "_pask_fingerprint", None) or _fingerprint(model, None))
 
 
 class PrefillStore:
