@@ -137,20 +137,22 @@ def pick_tokens(
     live: list[bool],
     bitmask: torch.Tensor,
     closers: torch.Tensor,
-    masked: bool = False,
+    masked: bool | list[bool] = False,
 ) -> list[int]:
     """Greedy next token of each row under its grammar (``bitmask`` from ``allocate_mask``, >= rows).
 
-    ``masked``: ``bitmask`` already holds the live constrained rows' masks for this step.
+    ``masked``: ``bitmask`` already holds the live constrained rows' masks for this step (one flag
+    for all rows, or one per row).
 
     A live row in its closing phase (the last ``close_margin`` tokens of its allowance) takes the
     first legal token of ``closers`` instead (see :func:`closing_tokens`). Rows that are not live get
     an unconstrained argmax (ignored by the caller).
     """
     logits = logits.float()
+    fresh = masked if isinstance(masked, list) else [masked] * len(requests)
     for i, r in enumerate(requests):
         if r.constraint is not None and live[i]:
-            if not masked:
+            if not fresh[i]:
                 r.constraint.mask(bitmask, i)
         else:
             bitmask[i].fill_(-1)

@@ -187,9 +187,15 @@ def convert_embedded(name: str, progress: bool = True) -> Path:
         _save_plain(model, stage)
         tok.save_pretrained(stage)
         (stage / "pask-ready").write_text(f"{emb.sha256 or _sha256_of([gguf])}\n")
+        if (out / "pask-ready").exists():
+            return out  # another process converted it meanwhile (it may be loading it now)
         if out.exists():
             shutil.rmtree(out)
-        stage.rename(out)
+        try:
+            stage.rename(out)
+        except OSError:
+            if not (out / "pask-ready").exists():  # lost a race to a process that finished first
+                raise
     return out
 
 

@@ -774,7 +774,12 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
     man = read_manifest(p.dir) or new_manifest(p.cell, len(p.cases), version)
     man["status"] = "running"
     before = len(ids & set(read_done(p.dir / "cases.jsonl")))
-    man["runs"].append({"started": _now(), "mode": mode, "cases_before": before, "machine": machine()})
+    run = {"started": _now(), "mode": mode, "cases_before": before, "machine": machine()}
+    if p.cell.policy not in ABLATIONS and p.cell.policy != "full":  # what make_policy applies
+        from pask.policies.tuning import tuned_config
+
+        run["policy_params"] = {**tuned_config(p.cell.policy, p.cell.budget), **p.cell.policy_config}
+    man["runs"].append(run)
     write_json(p.dir / CELL_FILE, man)
     return man
 

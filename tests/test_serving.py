@@ -152,12 +152,20 @@ def _requests(lm) -> list[Request]:
 
 
 @pytest.mark.parametrize("policy", ["full", "h2o"])
-def test_continuous_batching_equals_engine_alone(smol, policy):
-    """Staggered arrivals into a running batch give exactly the tokens of each request run alone (fp32)."""
+def test_continuous_batching_equals_engine_alone(smol, policy, monkeypatch):
+    """Staggered arrivals into a running batch give exactly the tokens of each request run alone (fp32).
+
+    Alone without the masked head, batched with it: the head changes no token.
+    """
+    from pask.masked_head import ENV
+
     factory = FullPolicy if policy == "full" else (lambda: get_policy("h2o", budget=0.5))
     engine_policy = (lambda: None) if policy == "full" else factory  # Full KV alone: DynamicCache
+    monkeypatch.setenv(ENV, "0")
     alone = [generate(smol, [r], policy=engine_policy())[0].token_ids for r in _requests(smol)]
+    monkeypatch.setenv(ENV, "1")
     sch = Scheduler(smol, factory)
+    head = sch.head
     jobs = [Job(str(i), r) for i, r in enumerate(_requests(smol))]
     sch.submit(jobs[0])
     sch.step()
@@ -168,6 +176,7 @@ def test_continuous_batching_equals_engine_alone(smol, policy):
     sch.run_until_idle()
     sch.close()
     assert [j.generated for j in jobs] == alone
+    assert head.narrow_rows > 0 and "forward" not in smol.model.get_output_embeddings().__dict__
     assert all(j.result is not None and j.result.token_ids == j.generated for j in jobs)
     log = sch.step_log  # every decode step once, under its batch size
     assert {1, 3} <= set(log) <= {1, 2, 3} and all(t > 0 for ts in log.values() for t in ts)

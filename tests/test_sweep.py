@@ -462,3 +462,23 @@ def test_filter_matching_nothing_is_refused(tmp_path, fake):
     cfg = parse_config(fake_config(tmp_path), tmp_path)
     with pytest.raises(PaskError, match="no cell"):
         sweep.select_cells(cfg, ["policy=h2o"])
+
+
+def test_records_the_policy_parameters_a_cell_ran_with(tmp_path, fake, monkeypatch):
+    """Tuned configuration (configs.json) under the cell's own policy_config: both land in cell.json."""
+    from pask.policies import tuning
+
+    configs = tmp_path / "configs.json"
+    configs.write_text(json.dumps({"h2o": {"0.5": {"sink": 2, "recent": 32}}}))
+    monkeypatch.setattr(tuning, "CONFIGS_PATH", configs)
+    real = tuning.tuned_config
+    monkeypatch.setattr(tuning, "tuned_config", lambda p, b, path=configs: real(p, b, path))
+    cfg = parse_config(
+        fake_config(tmp_path, policies=["full", "h2o"], fake={"n": 2, "policy_config": {"h2o": {"recent": 16}}}),
+        tmp_path,
+    )
+    run_sweep(cfg, load=no_model)
+    res = cfg.results_dir / "smollm2-135m/fake/test"
+    h2o = json.loads((res / "h2o-b0.5/cell.json").read_text())["runs"][0]
+    full = json.loads((res / "full-b1/cell.json").read_text())["runs"][0]
+    assert h2o["policy_params"] == {"sink": 2, "recent": 16} and "policy_params" not in full

@@ -12,7 +12,9 @@ condition and row of one running :class:`~pask.kv.cache.TieredCache`. One :meth:
 4. finished requests record their budget and free their rows; the running cache is rebuilt
    without them (:meth:`TieredCache.compacted`, storage moves by reference);
 5. one decode forward over the remaining rows, then each request's policy decides the tokens
-   that left its recent window.
+   that left its recent window. Before the forward each constrained request's grammar mask for
+   its next token is computed, so that the LM head computes only the allowed logits of narrow
+   rows (:mod:`pask.masked_head`, as in :func:`pask.engine.generate`); step 3 reuses the mask.
 
 Full KV is the ``full`` policy (everything H) on the same cache, so every method runs one code
 path. A policy instance serves one request and sees it as row 0 (``SeqContext.seq``).
@@ -37,6 +39,7 @@ from pask.kv.budget import CostModel
 from pask.kv.cache import CacheConfig, TieredCache, config_for
 from pask.kv.session import decide_row, left_pad, row_budget
 from pask.kv.stats import StatsCollector, StatsRequest
+from pask.masked_head import MaskedHead, allowed_tokens, masked_head_enabled
 from pask.models import LoadedModel
 from pask.policies.base import Policy
 from pask.serving.capacity import KVCapacity, kv_bytes_per_token, policy_target_b
@@ -66,6 +69,7 @@ class Job:
     decided: int = 0  # positions below this have had their final action
     samples: list[float] = field(default_factory=list)  # measured B after each decode step
     logits: torch.Tensor | None = None  # next-token logits, pending
+    next_mask: torch.Tensor | None = None  # grammar mask row for those logits, if computed before the forward
     stop: str | None = None
     cancelled: bool = False
     error: str | None = None
@@ -135,6 +139,7 @@ class Scheduler:
         self.eos = set(eos_ids(self.tok))
         self.token_bytes = ll_tokenizer(self.tok, sorted(self.eos)).decode_bytes
         self.closers = closing_tokens(self.tok, self.eos)
+        self.head = MaskedHead(self.model) if masked_head_enabled() else None
         self._prev_attn = enable_pask_attention(self.model)
         self.cache = TieredCache(self.model.config, self.config, batch_size=0)
         spec = self.cache.spec
@@ -194,11 +199,18 @@ class Scheduler:
         jobs = list(self.running)
         logits = torch.stack([j.logits for j in jobs])
         bitmask = allocate_mask(len(jobs), logits.shape[-1])
+        for i, job in enumerate(jobs):
+            if job.next_mask is not None:
+                bitmask[i] = job.next_mask
+        fresh = [j.next_mask is not None for j in jobs]
         requests = [j.request for j in jobs]
-        nxt = pick_tokens(logits, requests, [j.generated for j in jobs], [True] * len(jobs), bitmask, self.closers)
+        nxt = pick_tokens(
+            logits, requests, [j.generated for j in jobs], [True] * len(jobs), bitmask, self.closers, masked=fresh
+        )
         now = time.perf_counter()
         for job, t in zip(jobs, nxt, strict=True):
             n = len(job.generated)
+            job.next_mask = None
             job.stop = accept_token(job.request, t, job.generated, job.tags, self.eos, self.token_bytes)
             if len(job.generated) > n:
                 job.t_first = job.t_first or now
@@ -219,8 +231,11 @@ class Scheduler:
             n += 1
 
     def close(self) -> None:
-        """Give the model back its previous attention implementation."""
+        """Give the model back its previous attention implementation and its own LM head."""
         self.model.set_attn_implementation(self._prev_attn)
+        if self.head is not None:
+            self.head.close()
+            self.head = None
 
     # -- admission and prefill ------------------------------------------------------------------
     def _admit(self) -> None:
@@ -273,6 +288,8 @@ class Scheduler:
             collector = StatsCollector(self.stats_request, cache.spec.num_layers, cache.num_seqs)
             stats.attach(cache, collector)
             collector.begin_step()
+        if self.head is not None:
+            self._plan_head(jobs)
         out = self.model(input_ids=feed, position_ids=positions, cache=cache, use_cache=True)
         for i, job in enumerate(jobs):
             extra = {}
@@ -291,6 +308,21 @@ class Scheduler:
         for job in jobs:
             job.decode_ms += dt
             job.decode_steps += 1
+
+    def _plan_head(self, jobs: list[Job]) -> None:
+        """Compute each constrained job's next mask now; the head computes only those logits."""
+        vocab = self.head.head.weight.shape[0]
+        bitmask = allocate_mask(len(jobs), vocab)
+        plan: list[torch.Tensor | None] = []
+        for i, job in enumerate(jobs):
+            if job.request.constraint is None:
+                job.next_mask = None
+                plan.append(None)
+            else:
+                job.request.constraint.mask(bitmask, i)
+                job.next_mask = bitmask[i]
+                plan.append(allowed_tokens(bitmask[i], vocab))
+        self.head.plan = plan
 
     def _track_peak(self) -> None:
         self.peak_held_bytes = max(self.peak_held_bytes, self.cache.held_bytes())
@@ -351,6 +383,8 @@ class Scheduler:
                 if job.on_finish is not None:
                     job.on_finish(job)
         self.running, self.waiting, self.reserved = [], deque(), 0
+        if self.head is not None:
+            self.head.plan = None  # a plan left by a forward that failed serves nothing
         self.cache = TieredCache(self.model.config, self.config, batch_size=0)
 
     # -- state ----------------------------------------------------------------------------------
