@@ -59,13 +59,17 @@ def main() -> None:
     ap.add_argument("dirs", nargs="+", type=Path)
     ap.add_argument("--configs", type=Path, default=Path("pask/policies/configs.json"))
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "tuning")
+    ap.add_argument("--made-by", action="append", default=[], help="the `pask tune` command of a log (repeat)")
     a = ap.parse_args()
     logs = {d.name: _log(d) for d in a.dirs}
     chosen = json.loads(a.configs.read_text()) if a.configs.exists() else {}
     cmd = "python " + " ".join(shlex.quote(x) for x in ["benchmarks/tuning_table.py", *sys.argv[1:]])
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "tuning.json").write_text(json.dumps({"command": cmd, "logs": logs, "chosen": chosen}, indent=1) + "\n")
-    md = f"# Baseline tuning on the dev split\n\nCommand: `{cmd}`\n\n{table(logs, chosen)}"
+    record = {"command": cmd, "made_by": a.made_by, "logs": logs, "chosen": chosen}
+    (a.out / "tuning.json").write_text(json.dumps(record, indent=1) + "\n")
+    made = "".join(f"- `{m}`\n" for m in a.made_by)
+    made = f"The logs were made by:\n\n{made}\n" if made else ""
+    md = f"# Baseline tuning on the dev split\n\nCommand: `{cmd}`\n\n{made}{table(logs, chosen)}"
     (a.out / "tuning.md").write_text(md)
     print(md)
 
