@@ -767,7 +767,7 @@ def make_policy(name: str, budget: float | None, config: str | None = None):
     written by tuning on the dev split) at that budget; ``--policy-config`` overrides it.
     """
     from pask.policies import get_policy
-    from pask.policies.tuning import tuned_config
+    from pask.policies.tuning import effective_config
 
     try:
         user = json.loads(config) if config else {}
@@ -781,7 +781,7 @@ def make_policy(name: str, budget: float | None, config: str | None = None):
         return None
     kwargs = dict(user)
     if budget is not None:
-        kwargs = {**tuned_config(name, budget), **user, "budget": budget}
+        kwargs = {**effective_config(name, budget, user), "budget": budget}
     try:
         return get_policy(name, **kwargs)
     except TypeError as e:

@@ -776,9 +776,9 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
     before = len(ids & set(read_done(p.dir / "cases.jsonl")))
     run = {"started": _now(), "mode": mode, "cases_before": before, "machine": machine()}
     if p.cell.policy not in ABLATIONS and p.cell.policy != "full":  # what make_policy applies
-        from pask.policies.tuning import tuned_config
+        from pask.policies.tuning import effective_config
 
-        run["policy_params"] = {**tuned_config(p.cell.policy, p.cell.budget), **p.cell.policy_config}
+        run["policy_params"] = effective_config(p.cell.policy, p.cell.budget, p.cell.policy_config)
     man["runs"].append(run)
     write_json(p.dir / CELL_FILE, man)
     return man

@@ -188,3 +188,8 @@ def tuned_config(policy: str, budget: float, configs_path: str | os.PathLike = C
     if not path.exists():
         return {}
     return dict(json.loads(path.read_text()).get(policy, {}).get(budget_key(budget), {}))
+
+
+def effective_config(policy: str, budget: float, user: Mapping[str, Any] | None = None) -> dict:
+    """The parameters a policy runs with: its tuned configuration at ``budget`` under ``user``'s."""
+    return {**tuned_config(policy, budget), **(user or {})}

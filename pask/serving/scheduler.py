@@ -32,14 +32,23 @@ from typing import Any
 
 import torch
 
-from pask.engine import Generation, Request, accept_token, closing_tokens, eos_ids, make_generation, pick_tokens
+from pask.engine import (
+    Generation,
+    Request,
+    accept_token,
+    closing_tokens,
+    eos_ids,
+    make_generation,
+    pick_tokens,
+    plan_head,
+)
 from pask.kv import stats
 from pask.kv.attention import enable_pask_attention
 from pask.kv.budget import CostModel
 from pask.kv.cache import CacheConfig, TieredCache, config_for
 from pask.kv.session import decide_row, left_pad, row_budget
 from pask.kv.stats import StatsCollector, StatsRequest
-from pask.masked_head import MaskedHead, allowed_tokens, masked_head_enabled
+from pask.masked_head import MaskedHead, masked_head_enabled
 from pask.models import LoadedModel
 from pask.policies.base import Policy
 from pask.serving.capacity import KVCapacity, kv_bytes_per_token, policy_target_b
@@ -310,19 +319,12 @@ class Scheduler:
             job.decode_steps += 1
 
     def _plan_head(self, jobs: list[Job]) -> None:
-        """Compute each constrained job's next mask now; the head computes only those logits."""
+        """Compute each constrained job's next mask now (:func:`pask.engine.plan_head`); keep it for step 3."""
         vocab = self.head.head.weight.shape[0]
         bitmask = allocate_mask(len(jobs), vocab)
-        plan: list[torch.Tensor | None] = []
+        plan_head(self.head, [j.request for j in jobs], [True] * len(jobs), bitmask, vocab)
         for i, job in enumerate(jobs):
-            if job.request.constraint is None:
-                job.next_mask = None
-                plan.append(None)
-            else:
-                job.request.constraint.mask(bitmask, i)
-                job.next_mask = bitmask[i]
-                plan.append(allowed_tokens(bitmask[i], vocab))
-        self.head.plan = plan
+            job.next_mask = bitmask[i] if job.request.constraint is not None else None
 
     def _track_peak(self) -> None:
         self.peak_held_bytes = max(self.peak_held_bytes, self.cache.held_bytes())
