@@ -644,6 +644,7 @@ def serve(
     max_tokens: Annotated[int, typer.Option(help="default max_tokens of a request")] = 256,
     policy_config: PolicyConfigOpt = None,
     allow_transfer: TransferOpt = False,
+    prefill_store: PrefillStoreOpt = None,
     dtype: str = "bf16",
     threads: int | None = None,
 ) -> None:
@@ -660,7 +661,7 @@ def serve(
         serving_policy_factory(policy, budget, policy_config)  # fail before the model loads
     elif table is None:
         raise PaskError("--policy pask needs --table FILE (made by `pask calibrate --task bfcl`)")
-    _threads(threads)
+    _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
     factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)
     service = Service.build(lm, factory, capacity_tokens, max_batch=max_batch, default_max_tokens=max_tokens)
@@ -686,6 +687,13 @@ def bench_serve_cmd(
     reference: Annotated[bool, typer.Option(help="add Full KV as the reference run (off: a soak test)")] = True,
     table: Annotated[Path | None, typer.Option(help="frozen PASK table (for pask)")] = None,
     out: Annotated[Path, typer.Option(help="result stem: writes .json and .md")] = Path("benchmarks/results/serving"),
+    prefill_store: Annotated[
+        Path | None,
+        typer.Option(
+            help="prefill every input once into this store before the timed runs; every policy then loads "
+            "its prompts from it (decode-bound TPOT; sets $PASK_PREFILL_STORE)"
+        ),
+    ] = None,
     dtype: str = "bf16",
     threads: int | None = None,
 ) -> None:
@@ -705,7 +713,7 @@ def bench_serve_cmd(
     cfg = BenchConfig(
         concurrency, input_len, output_len, requests_per_client, capacity_tokens, max_seconds, sample_every=sample_every
     )
-    _threads(threads)
+    _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
     factories = {
         n: serving_policy_factory(n, None if n == "full" else budget, None, table, lm.fingerprint) for n in names
@@ -720,7 +728,13 @@ def bench_serve_cmd(
 
     command = _command()
     result = bench_serve(
-        lm, factories, cfg, progress=lambda n: console.print(f"policy {n}..."), on_request=on_request, command=command
+        lm,
+        factories,
+        cfg,
+        progress=lambda n: console.print(f"policy {n}..."),
+        on_request=on_request,
+        command=command,
+        warm_prefills=prefill_store is not None,
     )
     json_path, _ = write(result, out)
     print(markdown(result), end="")

@@ -157,3 +157,38 @@ def test_store_from_env_and_bad_directory(smol, tmp_path, monkeypatch):
     f.write_text("x")
     with pytest.raises(PaskError, match="cannot create"):
         PrefillStore(f / "sub", smol.model)
+
+
+def _serve(lm, reqs, factory, store) -> tuple[list[list[int]], int]:
+    """Staggered arrivals through the serving scheduler; (tokens per request, prefill forwards)."""
+    from pask.serving.scheduler import Job, Scheduler
+
+    spy = _Spy(lm.model)
+    sch = Scheduler(lm, factory, store=store)
+    try:
+        jobs = [Job(str(i), r) for i, r in enumerate(reqs)]
+        sch.submit(jobs[0])
+        sch.step()
+        for j in jobs[1:]:
+            sch.submit(j)
+        sch.run_until_idle()
+    finally:
+        sch.close()
+        spy.close()
+    return [j.generated for j in jobs], spy.n
+
+
+def test_serving_scheduler_loads_stored_prefills(smol, requests_, tmp_path, monkeypatch):
+    """The scheduler prefills through the store: a second pass has no prefill forward and the same tokens."""
+    monkeypatch.delenv(ENV, raising=False)
+    factory = lambda: get_policy("h2o", budget=0.5)  # noqa: E731  (asks for the prefill's column sums)
+    fresh, n_fresh = _serve(smol, requests_.fresh(), factory, None)
+    store = PrefillStore(tmp_path, smol.model)
+    first, n_first = _serve(smol, requests_.fresh(), factory, store)
+    assert _entries(tmp_path) == len(requests_) and store.misses == len(requests_)
+    second, n_second = _serve(smol, requests_.fresh(), factory, store)
+    assert (n_fresh, n_first, n_second) == (len(requests_), len(requests_), 0)
+    assert store.hits == len(requests_)
+    assert fresh == first == second and all(fresh)
+    monkeypatch.setenv(ENV, str(tmp_path))  # the default store is $PASK_PREFILL_STORE's
+    assert _serve(smol, requests_.fresh(), factory, None) == (fresh, 0)

@@ -474,3 +474,20 @@ def test_memory_summary_flags_growth_after_warmup():
 
     with pytest.raises(PaskError, match="sample_every"):
         BenchConfig(sample_every=-1)
+
+
+def test_bench_serve_warms_a_prefill_store(smol, tmp_path, monkeypatch):
+    """With warm_prefills every input is stored before the timed runs; without a store it is an error."""
+    from pask.kv.prefill_store import ENV
+    from pask.serving.bench import BenchConfig, bench_serve, markdown
+
+    cfg = BenchConfig(concurrency=2, input_len=300, output_len=3, requests_per_client=1)
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(PaskError, match="prefill store"):
+        bench_serve(smol, {"full": FullPolicy}, cfg, warm_prefills=True)
+    monkeypatch.setenv(ENV, str(tmp_path))
+    result = bench_serve(smol, {"full": FullPolicy}, cfg, warm_prefills=True)
+    assert len(list(tmp_path.rglob("*.pt"))) == 3  # both inputs + the server's warm-up message
+    (full,) = result["policies"]
+    assert full["requests"] == 2 and full["completion_tokens"] > 0 and full["errors_5xx"] == 0
+    assert "loaded from a prefill store" in markdown(result)

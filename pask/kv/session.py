@@ -112,26 +112,7 @@ class TieredSession:
         self.samples: list[list[float]] = [[] for _ in rows]
         self.final: dict[int, dict] = {}
         self.cache = TieredCache(self.model.config, self.config, batch_size=len(rows))
-        request = StatsRequest.of(self.policy)
-        stored = [self.store.get(r, request) for r in rows] if self.store is not None else []
-        hit = bool(stored) and all(e is not None for e in stored)
-        if request.any or (self.store is not None and not hit):
-            record = (STORED_WINDOWS, True) if self.store is not None and not hit else ((), False)
-            self.stats = StatsCollector(request, self.cache.spec.num_layers, len(rows), *record)
-        else:
-            self.stats = None
-        stats.attach(self.cache, self.stats)
-        ids, mask, pos, pads = left_pad(rows, 0)
-        self.cache.begin_prefill(pads)
-        if hit:
-            logits = self._load_prefill(stored, pads)
-        else:
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1
-            )
-            logits = out.logits[:, -1]
-            if self.store is not None:
-                self._store_prefill(rows, logits)
+        self.stats, logits = run_prefill(self.model, self.cache, rows, StatsRequest.of(self.policy), self.store)
         layer = self.cache.layers[0]
         spec = self.cache.spec
         self.int4_cost = CostModel(
@@ -143,29 +124,6 @@ class TieredSession:
                 extra["prefill_attention"], extra["prefill_value_norm"] = self.stats.take_prefill(row)
             self._decide(self.policy.prefill_actions, row, [], extra)
         return logits
-
-    def _load_prefill(self, entries: list[PrefillEntry], pads: list[int]) -> torch.Tensor:
-        """Fill the cache (and the statistics) from stored prefills, as the forward would have."""
-        width = max(e.prompt_len for e in entries)
-        for li in range(len(entries[0].keys)):
-            k0 = entries[0].keys[li]
-            shape = (len(entries), k0.shape[0], width, k0.shape[2])
-            k, v = k0.new_zeros(shape), k0.new_zeros(shape)
-            for b, e in enumerate(entries):
-                k[b, :, pads[b] :], v[b, :, pads[b] :] = e.keys[li], e.values[li]
-            self.cache.update(k, v, li)
-        if self.stats is not None:
-            for b, e in enumerate(entries):
-                self.stats.put_prefill(b, e.window_attention, e.value_norm)
-        return torch.stack([e.logits for e in entries])
-
-    def _store_prefill(self, rows: list[list[int]], logits: torch.Tensor) -> None:
-        """Keep every row's prefill (K/V as stored, last logits, all statistics) for later runs."""
-        for b, ids in enumerate(rows):
-            windows, vn = self.stats.recorded_prefill(b)
-            layers = [layer.seqs[b].h for layer in self.cache.layers]
-            entry = PrefillEntry([h.view("k") for h in layers], [h.view("v") for h in layers], logits[b], windows, vn)
-            self.store.put(ids, entry)
 
     def step(self, last: list[int | None], tags: list[list]) -> torch.Tensor:
         live = [i for i, t in enumerate(last) if t is not None]
@@ -205,6 +163,63 @@ class TieredSession:
 
     def budget(self, row: int) -> dict | None:
         return self.final.get(row)
+
+
+def run_prefill(
+    model: torch.nn.Module,
+    cache: TieredCache,
+    rows: list[list[int]],
+    request: StatsRequest,
+    store: PrefillStore | None,
+    keep_stats: bool | None = None,
+) -> tuple[StatsCollector | None, torch.Tensor]:
+    """Prefill ``rows`` (left-padded) into ``cache``; return the attached statistics collector and the
+    last logits ``[rows, V]``.
+
+    With a ``store`` holding every row, the cache and the statistics are filled from it and the
+    forward is skipped; otherwise the forward runs and, with a store, every row is stored (its
+    collector then records every statistic a later policy may ask for). The collector exists when
+    ``keep_stats`` (default: the ``request`` asks for any statistic) or when rows are stored.
+    """
+    keep = request.any if keep_stats is None else keep_stats
+    stored = [store.get(r, request) for r in rows] if store is not None else []
+    hit = bool(stored) and all(e is not None for e in stored)
+    collector = None
+    if keep or (store is not None and not hit):
+        record = (STORED_WINDOWS, True) if store is not None and not hit else ((), False)
+        collector = StatsCollector(request, cache.spec.num_layers, len(rows), *record)
+    stats.attach(cache, collector)
+    ids, mask, pos, pads = left_pad(rows, 0)
+    cache.begin_prefill(pads)
+    if hit:
+        return collector, _load_prefill(cache, collector, stored, pads)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    logits = out.logits[:, -1]
+    if store is not None:
+        for b, ids_b in enumerate(rows):  # every row: K/V as the cache holds them, last logits, statistics
+            windows, vn = collector.recorded_prefill(b)
+            layers = [layer.seqs[b].h for layer in cache.layers]
+            entry = PrefillEntry([h.view("k") for h in layers], [h.view("v") for h in layers], logits[b], windows, vn)
+            store.put(ids_b, entry)
+    return collector, logits
+
+
+def _load_prefill(
+    cache: TieredCache, collector: StatsCollector | None, entries: list[PrefillEntry], pads: list[int]
+) -> torch.Tensor:
+    """Fill the cache (and the statistics) from stored prefills, as the forward would have."""
+    width = max(e.prompt_len for e in entries)
+    for li in range(len(entries[0].keys)):
+        k0 = entries[0].keys[li]
+        shape = (len(entries), k0.shape[0], width, k0.shape[2])
+        k, v = k0.new_zeros(shape), k0.new_zeros(shape)
+        for b, e in enumerate(entries):
+            k[b, :, pads[b] :], v[b, :, pads[b] :] = e.keys[li], e.values[li]
+        cache.update(k, v, li)
+    if collector is not None:
+        for b, e in enumerate(entries):
+            collector.put_prefill(b, e.window_attention, e.value_norm)
+    return torch.stack([e.logits for e in entries])
 
 
 def decide_row(

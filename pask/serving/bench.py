@@ -359,10 +359,15 @@ def bench_serve(
     progress: Callable[[str], None] | None = None,
     on_request: Callable[[], None] | None = None,
     command: str | None = None,
+    warm_prefills: bool = False,
 ) -> dict:
     """Run every policy (Full KV first, as the reference) and relate each to it; returns a JSON-able dict.
 
     ``progress`` gets each policy's name as it starts, ``on_request`` a call per request sent.
+    ``warm_prefills``: first send every input once (``max_tokens`` 1, untimed) under the first
+    policy, so that a prefill store (``$PASK_PREFILL_STORE``) holds them all and every timed policy
+    loads its prompts instead of recomputing them: TPOT is then decode-bound, not dominated by
+    serial prefills (the prefill store is what makes that equal for every policy).
     """
     if not factories:
         raise PaskError("the serving benchmark needs at least one policy")
@@ -372,7 +377,16 @@ def bench_serve(
     per_token = kv_bytes_per_token(lm.model.config, next(lm.model.parameters()).dtype)
     results = {}
     order = [REF_POLICY] if REF_POLICY in factories else []
-    for name in [*order, *[p for p in factories if p != REF_POLICY]]:
+    names = [*order, *[p for p in factories if p != REF_POLICY]]
+    if warm_prefills:
+        from pask.kv.prefill_store import PrefillStore
+
+        if PrefillStore.from_env(lm.model) is None:
+            raise PaskError("warm_prefills needs a prefill store ($PASK_PREFILL_STORE)")
+        if progress:
+            progress("(prefilling every input into the store)")
+        run_policy(lm, "warm", factories[names[0]], [{**b, "max_tokens": 1} for b in bodies], cfg, on_request)
+    for name in names:
         if progress:
             progress(name)
         results[name] = run_policy(lm, name, factories[name], bodies, cfg, on_request)
@@ -405,6 +419,7 @@ def bench_serve(
         "weight_bytes": weights,
         "kv_bytes_per_token": per_token,
         "decode_context": context,
+        "prefills": "loaded from a prefill store filled before the timed runs" if warm_prefills else "computed",
         "policies": rows,
         "command": command,
     }
@@ -416,7 +431,7 @@ def markdown(result: dict) -> str:
     cap = cfg["capacity_tokens"] or "unlimited"
     head = (
         f"Serving, {result['model']}, c = {cfg['concurrency']}, input {cfg['input_len']}, output {cfg['output_len']}, "
-        f"KV capacity {cap} tokens\n\n"
+        f"KV capacity {cap} tokens; prefills {result.get('prefills', 'computed')}\n\n"
         "| policy | B (avg) | TPOT ms | TPOT speed-up | step ms | step speed-up | step ms at batch c (steps) "
         "| x Full | bandwidth limit | throughput tok/s "
         "| x Full | prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"

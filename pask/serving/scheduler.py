@@ -46,7 +46,8 @@ from pask.kv import stats
 from pask.kv.attention import enable_pask_attention
 from pask.kv.budget import CostModel
 from pask.kv.cache import CacheConfig, TieredCache, config_for
-from pask.kv.session import decide_row, left_pad, row_budget
+from pask.kv.prefill_store import PrefillStore
+from pask.kv.session import decide_row, row_budget, run_prefill
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.masked_head import MaskedHead, masked_head_enabled
 from pask.models import LoadedModel
@@ -123,6 +124,9 @@ class Scheduler:
         Tiered-cache settings (layer groups, recent window, ...).
     max_batch : int | None
         At most this many running requests (``None``: the capacity decides alone).
+    store : PrefillStore | None
+        Reuse stored prompt prefills (:mod:`pask.kv.prefill_store`; default: ``$PASK_PREFILL_STORE``):
+        a prompt seen before is loaded instead of recomputed, and every new prompt is stored.
     """
 
     def __init__(
@@ -132,10 +136,12 @@ class Scheduler:
         capacity_tokens: int | None = None,
         cache_config: CacheConfig | None = None,
         max_batch: int | None = None,
+        store: PrefillStore | None = None,
     ) -> None:
         self.lm, self.model, self.tok = lm, lm.model, lm.tokenizer
         self.policy_factory = policy_factory
         self.max_batch = max_batch
+        self.store = store if store is not None else PrefillStore.from_env(self.model)
         probe = policy_factory()
         self.config = config_for(probe, cache_config)
         self.policy_name = getattr(probe, "name", type(probe).__name__)
@@ -263,13 +269,7 @@ class Scheduler:
         job.t_admit = time.perf_counter()
         cache = TieredCache(self.model.config, self.config, batch_size=1)
         req = self.stats_request
-        collector = StatsCollector(req, cache.spec.num_layers, 1) if req.prefill else None
-        stats.attach(cache, collector)
-        ids, mask, pos, pads = left_pad([r.prompt_ids], 0)
-        cache.begin_prefill(pads)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
-        )
+        collector, logits = run_prefill(self.model, cache, [r.prompt_ids], req, self.store, keep_stats=req.prefill)
         extra = {}
         if collector is not None:
             extra["prefill_attention"], extra["prefill_value_norm"] = collector.take_prefill(0)
@@ -277,7 +277,7 @@ class Scheduler:
             cache, 0, job.policy.prefill_actions, 0, job.history, [], r.prompt_labels, self.int4_cost, extra, seq=0
         )
         job.row = self.cache.adopt(cache, 0)
-        job.logits = out.logits[0, -1]
+        job.logits = logits[0]
         job.prefill_ms = (time.perf_counter() - job.t_admit) * 1e3
         self.running.append(job)
         self.peak_running = max(self.peak_running, len(self.running))
