@@ -63,10 +63,12 @@ def test_tiny_calibration_writes_files_and_resumes(smol, tmp_path):
 
 
 @pytest.mark.slow
-def test_all_h_replay_reproduces_the_control_captures(smol, tmp_path):
-    """Teacher-forced replay on the tiered cache = the control's forward passes (D of all-H is 0)."""
+def test_all_h_replay_reproduces_the_control_captures(smol, tmp_path, monkeypatch):
+    """Teacher-forced replay on the tiered cache = the control's forward passes (D of all-H is 0),
+    also when the replay's prefill is loaded from the prefill store (no prefill forward to skip)."""
     from pask.calibration.control import all_h_policy, run_control
     from pask.calibration.distortion import DistortionSum, forced_capture
+    from pask.kv.prefill_store import ENV
     from pask.tasks.function_calling import load_cases
 
     torch.set_num_threads(1)
@@ -74,20 +76,24 @@ def test_all_h_replay_reproduces_the_control_captures(smol, tmp_path):
     ctrl = run_control(smol, cases, tmp_path, batch_size=2, max_new_tokens=16)
     (batch,) = ctrl.batches
     rows = [ctrl.by_id[i] for i in batch]
-    probe = forced_capture(
-        smol.model,
-        [ctrl.prompts[r.id] for r in rows],
-        [r.token_ids[: r.n_fed] for r in rows],
-        all_h_policy(smol.fingerprint, 4, 8),
-        [r.tags for r in rows],
-        [r.prompt_labels for r in rows],
-    )
     full = ctrl.load_capture(batch)
-    acc = DistortionSum(smol.num_layers)
-    for r, p in zip(rows, probe, strict=True):
-        assert p.shape == full[r.id].shape == (r.n_fed, smol.num_layers, smol.model.config.hidden_size)
-        acc.add(p, full[r.id])
-    assert acc.result(0, 4)["d_all"] < 1e-6
+    for store in (None, "fill", "hit"):
+        if store is not None:
+            monkeypatch.setenv(ENV, str(tmp_path / "store"))
+        probe = forced_capture(
+            smol.model,
+            [ctrl.prompts[r.id] for r in rows],
+            [r.token_ids[: r.n_fed] for r in rows],
+            all_h_policy(smol.fingerprint, 4, 8),
+            [r.tags for r in rows],
+            [r.prompt_labels for r in rows],
+        )
+        acc = DistortionSum(smol.num_layers)
+        for r, p in zip(rows, probe, strict=True):
+            assert p.shape == full[r.id].shape == (r.n_fed, smol.num_layers, smol.model.config.hidden_size)
+            acc.add(p, full[r.id])
+        assert acc.result(0, 4)["d_all"] < 1e-6, store
+    assert len(list((tmp_path / "store").rglob("*.pt"))) == len(rows)
 
 
 @pytest.mark.slow

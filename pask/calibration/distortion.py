@@ -40,8 +40,9 @@ FORCED_STOP = -1  # returned by the forcing next_token_fn once a row's tokens ar
 class AttnCapture:
     """Forward pre-hooks on every layer's ``self_attn.o_proj`` collecting decode-step inputs.
 
-    The first forward after :meth:`reset` is the prefill (not kept); every later forward adds one
-    entry ``[layers, batch, hidden]`` (the last query position). Use as a context manager.
+    A forward of one query position is a decode step: it adds one entry ``[layers, batch, hidden]``.
+    Longer forwards are prefills and are not kept, nor counted (a prefill loaded from the prefill
+    store runs no forward at all). Use as a context manager.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -51,16 +52,16 @@ class AttnCapture:
         self.reset()
 
     def reset(self) -> None:
-        self.forwards = 0
         self.steps: list[list[torch.Tensor | None]] = []
+        self._decoding = False
 
     def _hook(self, idx: int):
         def f(module, args):
             if idx == 0:
-                self.forwards += 1
-                if self.forwards > 1:
+                self._decoding = args[0].shape[1] == 1
+                if self._decoding:
                     self.steps.append([None] * len(self.projs))
-            if self.forwards > 1:
+            if self._decoding:
                 self.steps[-1][idx] = args[0][:, -1, :].detach().clone()
 
         return f
