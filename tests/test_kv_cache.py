@@ -95,6 +95,28 @@ def test_append_is_amortised_linear():
     assert cache.layers[0].seqs[0].h.cap == 4096
 
 
+@pytest.mark.parametrize("headroom", [0, 1, 40])
+def test_headroom_first_allocation_spares_decode_copies(headroom):
+    cfg = CacheConfig(num_groups=1, initial_capacity=4, headroom=headroom)
+    cache = TieredCache(tiny_config(layers=2), cfg, batch_size=1)
+    feed(cache, 100)  # prefill: one append of 100 slots per layer
+    tier = cache.layers[0].seqs[0].h
+    cap = 100 + headroom if headroom else 128  # without headroom: doubling from initial_capacity
+    assert tier.cap == cap
+    copied = cache.stats.copied_bytes
+    for _ in range(cap - 100):
+        feed(cache, 1)
+    assert cache.stats.copied_bytes == copied  # no decode append reallocated yet
+    feed(cache, 1)  # one past the spare slots: the tier doubles as before (copies the row)
+    assert cache.stats.copied_bytes > copied and tier.cap == 2 * cap
+    assert torch.equal(tier.view("k")[:, -1], kv_at(torch.tensor([cache.seq_length(0) - 1]), 0)[:, 0])
+
+
+def test_headroom_must_not_be_negative():
+    with pytest.raises(PaskError, match="headroom"):
+        CacheConfig(headroom=-1)
+
+
 def _mixed_cache(dtype=torch.float32, n=2000, window=8):
     cfg = CacheConfig(recent_window=window)
     cache = TieredCache(tiny_config(), cfg, batch_size=1)

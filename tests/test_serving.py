@@ -18,7 +18,7 @@ from pask.kv.cache import CacheConfig, TieredCache
 from pask.kv.errors import KVCacheError
 from pask.policies import FullPolicy, get_policy
 from pask.serving.capacity import CapacityError, KVCapacity, kv_bytes_per_token, policy_target_b
-from pask.serving.scheduler import Job, Scheduler
+from pask.serving.scheduler import SERVE_HEADROOM, Job, Scheduler
 
 WEATHER = {
     "type": "function",
@@ -185,6 +185,23 @@ def test_continuous_batching_equals_engine_alone(smol, policy, monkeypatch):
         assert all(0.4 < j.budget["b_total"] < 0.7 for j in jobs)
     assert sch.snapshot()["kv_bytes_held"] == 0 and sch.cache.num_seqs == 0
     assert smol.model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("headroom", [None, 0])
+def test_serving_headroom_spares_the_row_copy_of_a_doubling_tier(smol, headroom):
+    """A 64-token prompt fills its first allocation; without headroom the first decode append doubles (copies) it."""
+    ids = (_chat_ids(smol, "Say hello.") * 16)[:64]
+    config = None if headroom is None else CacheConfig(headroom=headroom)
+    sch = Scheduler(smol, FullPolicy, cache_config=config)
+    job = Job("0", Request(ids, max_new_tokens=4))
+    sch.submit(job)
+    sch.run_until_idle()
+    sch.close()
+    assert job.decode_steps >= 1
+    if headroom is None:  # the scheduler's default
+        assert sch.config.headroom == SERVE_HEADROOM and sch.cache.stats.copied_bytes == 0
+    else:
+        assert sch.cache.stats.copied_bytes > 0
 
 
 def test_cancel_frees_rows_and_others_go_on(smol):

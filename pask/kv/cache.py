@@ -62,6 +62,7 @@ class CacheConfig:
     native: bool = True  # prefer the compiled kernel (native_attention.cpp) over PyTorch's fused kernels
     key_balance: bool = True  # balance INT4 keys per channel before quantising (see storage.key_balance)
     low_bits: int = 4  # code width of the L tier: 4 (INT4) or 2 (INT2, for KIVI-2)
+    headroom: int = 0  # spare slots of a tier's first allocation (0: doubling from initial_capacity)
 
     def __post_init__(self) -> None:
         if self.num_groups < 1:
@@ -70,6 +71,8 @@ class CacheConfig:
             raise KVCacheError(f"recent_window must be >= 0, got {self.recent_window}")
         if self.initial_capacity < 1 or self.dequant_block < 1:
             raise KVCacheError("initial_capacity and dequant_block must be >= 1")
+        if self.headroom < 0:
+            raise KVCacheError(f"headroom must be >= 0, got {self.headroom}")
         if not 0.0 <= self.shrink_below < 0.8:
             raise KVCacheError(f"shrink_below must be in [0, 0.8), got {self.shrink_below}")
         check_bits(self.low_bits)
@@ -515,10 +518,11 @@ class TieredCache(Cache):
     def compacted(self) -> tuple[TieredCache, dict[int, int]]:
         """A new cache holding this cache's live rows only (in order), and the map old row -> new row.
 
-        Storage moves by reference; the finished-bytes record and the budget meter carry over.
+        Storage moves by reference; the finished-bytes record, the budget meter and the copy stats carry over.
         Rebuilding a running batch this way stops dropped rows from being fed at every step.
         """
         new = TieredCache(self._model_config, self.config, batch_size=0)
+        new.stats = self.stats  # the copy counters too
         rows = {b: new.adopt(self, b) for b in range(self.num_seqs) if not self.dropped[b]}
         new._finished, new.meter = self._finished, self.meter
         return new, rows

@@ -57,6 +57,8 @@ from pask.structure.constraint import allocate_mask, ll_tokenizer
 
 STEP_LOG = 4096  # decode-step times kept per batch size (the benchmark's per-batch medians)
 
+SERVE_HEADROOM = 256  # spare slots per tier at first allocation: the decode tokens of a typical call
+
 
 @dataclass
 class Job:
@@ -121,7 +123,9 @@ class Scheduler:
     capacity_tokens : int | None
         Logical KV capacity in Full-KV tokens (``None``: unlimited).
     cache_config : CacheConfig | None
-        Tiered-cache settings (layer groups, recent window, ...).
+        Tiered-cache settings (layer groups, recent window, ...). The default reserves
+        :data:`SERVE_HEADROOM` spare slots at each tier's first allocation, so that a long prompt's
+        row is not copied to a doubled tier during its first decode steps.
     max_batch : int | None
         At most this many running requests (``None``: the capacity decides alone).
     store : PrefillStore | None
@@ -143,7 +147,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.store = store if store is not None else PrefillStore.from_env(self.model)
         probe = policy_factory()
-        self.config = config_for(probe, cache_config)
+        self.config = config_for(probe, cache_config or CacheConfig(headroom=SERVE_HEADROOM))
         self.policy_name = getattr(probe, "name", type(probe).__name__)
         self.needs_tags = bool(getattr(probe, "needs_tags", False))
         self.stats_request = StatsRequest.of(probe)
