@@ -112,7 +112,7 @@ def _policy_builder(task: str, policy: str, budget: float | None, config: str | 
     if budget is not None and not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
     if policy != "pask":
-        kv_policy = make_policy(policy, budget, config)
+        kv_policy = make_policy(policy, budget, config, task)
         return lambda lm: kv_policy
     if table is None:
         raise PaskError(f"--policy pask needs --table FILE (made by `pask calibrate --task {task}`)")
@@ -424,45 +424,68 @@ def bench_kv_cmd(
 def tune(
     policy: Annotated[str, typer.Option(help="baseline to tune (h2o, snapkv, rocketkv, criticalkv, lazyeviction)")],
     budget: Annotated[float, typer.Option(help="target total KV budget B in (0, 1]")] = 0.33,
+    task: Annotated[str, typer.Option(help="bfcl (function calling) or sql (text-to-SQL, by EX)")] = "bfcl",
     model: ModelOpt = DEFAULT_MODEL,
     split: Annotated[str, typer.Option(help="tuning split: dev (never test or live)")] = "dev",
-    categories: Annotated[str, typer.Option(help="comma-separated non-live BFCL categories")] = (
+    categories: Annotated[str, typer.Option(help="bfcl: comma-separated non-live categories")] = (
         "simple,multiple,parallel,parallel_multiple"
     ),
-    limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
+    limit: Annotated[int | None, typer.Option(help="bfcl: at most N cases per category; sql: the first N")] = None,
     search: Annotated[str, typer.Option(help="grid (Table 8 product) or coordinate (one knob at a time)")] = "grid",
     batch_size: int = 8,
-    max_new_tokens: int = 384,
+    max_new_tokens: Annotated[int | None, typer.Option(help="default: 384 (bfcl), 256 (sql)")] = None,
     out: Annotated[Path | None, typer.Option(help="work dir: tuning log + one run dir per configuration")] = None,
-    configs: Annotated[Path | None, typer.Option(help="file of chosen configurations")] = None,
+    configs: Annotated[
+        Path | None, typer.Option(help="file of chosen configurations (default: the task's, in pask/policies/)")
+    ] = None,
     dtype: str = "bf16",
     threads: int | None = None,
     prefill_store: PrefillStoreOpt = None,
 ) -> None:
-    """Search a baseline's Table 8 grid on the dev split (resumable); record the best configuration."""
-    from pask.evaluation.run_bfcl import run_bfcl
+    """Search a baseline's Table 8 grid on a task's dev split (resumable); record the best configuration.
+
+    The choice goes to the task's own file (``configs.json`` for BFCL, ``configs_sql.json`` for SQL),
+    which evaluations and sweeps of that task read at that budget.
+    """
     from pask.models import load_model
     from pask.policies import get_policy
-    from pask.policies.tuning import CONFIGS_PATH, TABLE8_GRIDS
+    from pask.policies.tuning import TABLE8_GRIDS, configs_path_for
     from pask.policies.tuning import tune as run_tune
-    from pask.tasks.function_calling import LIVE, load_cases
 
+    if task not in ("bfcl", "sql"):
+        raise PaskError(f"unknown task '{task}': choose bfcl or sql")
     if not 0 < budget <= 1:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
     if split == "test":
         raise PaskError("tuning on the test split would leak it: use --split dev")
     if search not in ("grid", "coordinate"):
         raise PaskError(f"unknown search '{search}': choose grid or coordinate")
-    cats = [c.strip() for c in categories.split(",") if c.strip()]
-    if live := [c for c in cats if c in LIVE]:
-        raise PaskError(f"live categories {live} are evaluation-only: never tune on them")
     get_policy(policy, budget=budget)  # unknown policy: clear error before the model loads
     if policy not in TABLE8_GRIDS:
         raise PaskError(f"no Table 8 grid for policy '{policy}'; tunable: {', '.join(sorted(TABLE8_GRIDS))}")
-    cases = load_cases(cats, split=split, limit=limit)
-    if not cases:
-        raise PaskError(f"no cases for categories {cats} in split '{split}'")
-    out = out or Path("runs") / f"tune-{model.replace('/', '_')}-{policy}-b{budget:g}"
+    if task == "bfcl":
+        from pask.evaluation.run_bfcl import run_bfcl as run_task
+        from pask.tasks.function_calling import LIVE, load_cases
+
+        cats = [c.strip() for c in categories.split(",") if c.strip()]
+        if live := [c for c in cats if c in LIVE]:
+            raise PaskError(f"live categories {live} are evaluation-only: never tune on them")
+        cases = load_cases(cats, split=split, limit=limit)
+        if not cases:
+            raise PaskError(f"no cases for categories {cats} in split '{split}'")
+        score_key = "accuracy"
+    else:
+        from pask.evaluation.run_sql import run_sql as run_task
+        from pask.evaluation.run_sql import select_cases
+
+        if split != "dev":
+            raise PaskError("SQL tuning runs on the dev split (calibration is PASK's, test is the evaluation's)")
+        cases = select_cases(split, limit)
+        score_key = "ex"
+    max_new_tokens = max_new_tokens or (384 if task == "bfcl" else 256)
+    configs = configs or configs_path_for(task)
+    prefix = "tune" if task == "bfcl" else "tune-sql"
+    out = out or Path("runs") / f"{prefix}-{model.replace('/', '_')}-{policy}-b{budget:g}"
     _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
 
@@ -471,21 +494,21 @@ def tune(
         run_dir = out / tag
         meta = {"model": lm.name, "policy": name, "budget": b, "split": split, "params": params}
         with progress_bar() as bar:
-            task = bar.add_task(f"{name} {tag}", total=len(cases))
-            s = run_bfcl(
+            progress = bar.add_task(f"{name} {tag}", total=len(cases))
+            s = run_task(
                 lm,
                 cases,
                 run_dir,
                 batch_size,
                 max_new_tokens,
                 get_policy(name, budget=b, **params),
-                lambda n: bar.advance(task, n),
+                lambda n: bar.advance(progress, n),
                 meta,
             )
-        return {"score": s["overall"]["accuracy"], "measured_b": s["measured_b"], "n": s["overall"]["n"]}
+        return {"score": s["overall"][score_key], "measured_b": s["measured_b"], "n": s["overall"]["n"]}
 
-    best = run_tune(policy, budget, None, evaluate, out / "tuning.jsonl", configs or CONFIGS_PATH, search)
-    console.print(f"{policy} at B={budget:g}: chosen {best} -> {configs or CONFIGS_PATH}")
+    best = run_tune(policy, budget, None, evaluate, out / "tuning.jsonl", configs, search)
+    console.print(f"{policy} at B={budget:g} ({task}): chosen {best} -> {configs}")
 
 
 @eval_app.command("sql")
@@ -774,11 +797,12 @@ def _bench_policy_overhead(
     print(md)
 
 
-def make_policy(name: str, budget: float | None, config: str | None = None):
+def make_policy(name: str, budget: float | None, config: str | None = None, task: str = "bfcl"):
     """The policy object for a name; ``full`` is Full KV on DynamicCache (None).
 
-    Budget-controlled policies start from their tuned configuration (``pask/policies/configs.json``,
-    written by tuning on the dev split) at that budget; ``--policy-config`` overrides it.
+    Budget-controlled policies start from their configuration tuned on ``task``'s dev split at that
+    budget (``pask/policies/configs.json``, ``configs_sql.json`` for SQL); ``--policy-config``
+    overrides it.
     """
     from pask.policies import get_policy
     from pask.policies.tuning import effective_config
@@ -795,7 +819,7 @@ def make_policy(name: str, budget: float | None, config: str | None = None):
         return None
     kwargs = dict(user)
     if budget is not None:
-        kwargs = {**effective_config(name, budget, user), "budget": budget}
+        kwargs = {**effective_config(name, budget, user, task), "budget": budget}
     try:
         return get_policy(name, **kwargs)
     except TypeError as e:

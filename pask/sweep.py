@@ -515,7 +515,7 @@ def make_cell_policy(cell: Cell, lm):
 
     config = json.dumps(cell.policy_config) if cell.policy_config else None
     try:
-        return make_policy(cell.policy, cell.budget, config)
+        return make_policy(cell.policy, cell.budget, config, cell.task)
     except PaskError as e:
         raise PaskError(f"cell {cell.name}: {e}") from None
 
@@ -778,7 +778,7 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
     if p.cell.policy not in ABLATIONS and p.cell.policy != "full":  # what make_policy applies
         from pask.policies.tuning import effective_config
 
-        run["policy_params"] = effective_config(p.cell.policy, p.cell.budget, p.cell.policy_config)
+        run["policy_params"] = effective_config(p.cell.policy, p.cell.budget, p.cell.policy_config, p.cell.task)
     man["runs"].append(run)
     write_json(p.dir / CELL_FILE, man)
     return man

@@ -146,6 +146,10 @@ def test_tune_bad_input():
     assert res.exit_code == 2 and "(0, 1]" in res.output
     res = _run("tune", "--policy", "h2o", "--search", "random", "--limit", "1")
     assert res.exit_code == 2
+    res = _run("tune", "--policy", "h2o", "--task", "magic")
+    assert res.exit_code == 2 and "unknown task" in res.output
+    res = _run("tune", "--policy", "h2o", "--task", "sql", "--split", "calibration")
+    assert res.exit_code == 2 and "dev split" in res.output
 
 
 def test_calibrate_task_errors(tmp_path):

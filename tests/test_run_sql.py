@@ -142,6 +142,30 @@ def test_cli_eval_sql(tmp_path):
     assert json.loads((out / "summary.json").read_text())["run"]["split"] == "test"
 
 
+def test_cli_tune_sql_records_in_the_sql_file_only(tmp_path, monkeypatch):
+    """`pask tune --task sql` scores configurations by EX on the dev split; BFCL's choices do not reach SQL."""
+    from pask.policies import tuning
+
+    bfcl, sql = tmp_path / "configs.json", tmp_path / "configs_sql.json"
+    bfcl.write_text(json.dumps({"lazyeviction": {"0.4": {"window": 64, "alpha": 0.001}}}))
+    monkeypatch.setattr(tuning, "CONFIGS_PATH", bfcl)
+    monkeypatch.setattr(tuning, "SQL_CONFIGS_PATH", sql)
+    assert tuning.effective_config("lazyeviction", 0.4, task="sql") == {}  # nothing tuned on SQL yet
+    args = ["tune", "--task", "sql", "--policy", "lazyeviction", "--budget", "0.4", "--search", "coordinate"]
+    args += ["--model", "smollm2-135m", "--dtype", "fp32", "--limit", "1", "--max-new-tokens", "4"]
+    res = runner.invoke(app, [*args, "--threads", "1", "--out", str(tmp_path / "tune")])
+    assert res.exit_code == 0, res.output
+    log = [json.loads(x) for x in (tmp_path / "tune" / "tuning.jsonl").read_text().splitlines()]
+    assert len(log) == 7 and all(r["n"] == 1 and 0 <= r["score"] <= 100 for r in log)  # 4 + 4 values, base shared
+    chosen = json.loads(sql.read_text())["lazyeviction"]["0.4"]
+    assert chosen in [r["params"] for r in log]
+    assert tuning.effective_config("lazyeviction", 0.4, task="sql") == chosen
+    assert tuning.effective_config("lazyeviction", 0.4) == {"window": 64, "alpha": 0.001}  # BFCL's, untouched
+    assert make_policy("lazyeviction", 0.4, task="sql").window == chosen["window"]
+    rows = _rows(tmp_path / "tune" / next(p.name for p in (tmp_path / "tune").iterdir() if p.is_dir()))
+    assert len(rows) == 1 and rows[0]["id"] in {c.id for c in select_cases("dev")}
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 

@@ -3,8 +3,10 @@
 :func:`tune` walks the Cartesian product of a grid in a fixed order, calls ``evaluate_fn`` for
 every configuration not yet in its JSONL log (one line per finished configuration, flushed as it
 finishes, so an interrupted search resumes where it stopped), picks the best score (ties: the
-first in grid order) and records it in ``configs.json`` as ``{policy: {budget: params}}``.
-:func:`tuned_config` reads it back.
+first in grid order) and records it in the task's configuration file as
+``{policy: {budget: params}}``: ``configs.json`` for function calling (BFCL), ``configs_sql.json``
+for text-to-SQL (:func:`configs_path_for`; a configuration tuned on one task's dev split is not
+applied to another). :func:`tuned_config` reads it back.
 
 The grids use the policies' parameter names. Table 8 knobs without a counterpart here: MiKV's
 high-precision ratio (set by the budget: ``(B - c) / (1 - c)``), its 2-bit width and group sizes
@@ -24,7 +26,8 @@ from typing import Any
 from pask.errors import PaskError
 from pask.policies import get_policy
 
-CONFIGS_PATH = Path(__file__).with_name("configs.json")
+CONFIGS_PATH = Path(__file__).with_name("configs.json")  # function calling (BFCL), and tasks without their own
+SQL_CONFIGS_PATH = Path(__file__).with_name("configs_sql.json")  # text-to-SQL
 
 #: Table 8 of the paper, in the policies' parameter names.
 TABLE8_GRIDS: dict[str, dict[str, list]] = {
@@ -190,6 +193,11 @@ def tuned_config(policy: str, budget: float, configs_path: str | os.PathLike = C
     return dict(json.loads(path.read_text()).get(policy, {}).get(budget_key(budget), {}))
 
 
-def effective_config(policy: str, budget: float, user: Mapping[str, Any] | None = None) -> dict:
-    """The parameters a policy runs with: its tuned configuration at ``budget`` under ``user``'s."""
-    return {**tuned_config(policy, budget), **(user or {})}
+def configs_path_for(task: str) -> Path:
+    """The file of tuned configurations of ``task``: SQL has its own, every other task BFCL's."""
+    return SQL_CONFIGS_PATH if task == "sql" else CONFIGS_PATH
+
+
+def effective_config(policy: str, budget: float, user: Mapping[str, Any] | None = None, task: str = "bfcl") -> dict:
+    """The parameters a policy runs with on ``task``: its tuned configuration at ``budget`` under ``user``'s."""
+    return {**tuned_config(policy, budget, configs_path_for(task)), **(user or {})}
