@@ -451,6 +451,7 @@ def tune(
     from pask.policies import get_policy
     from pask.policies.tuning import TABLE8_GRIDS, configs_path_for
     from pask.policies.tuning import tune as run_tune
+    from pask.sweep import TASKS
 
     if task not in ("bfcl", "sql"):
         raise PaskError(f"unknown task '{task}': choose bfcl or sql")
@@ -482,7 +483,7 @@ def tune(
             raise PaskError("SQL tuning runs on the dev split (calibration is PASK's, test is the evaluation's)")
         cases = select_cases(split, limit)
         score_key = "ex"
-    max_new_tokens = max_new_tokens or (384 if task == "bfcl" else 256)
+    max_new_tokens = max_new_tokens or TASKS[task].defaults["max_new_tokens"]  # the evaluations' allowance
     configs = configs or configs_path_for(task)
     prefix = "tune" if task == "bfcl" else "tune-sql"
     out = out or Path("runs") / f"{prefix}-{model.replace('/', '_')}-{policy}-b{budget:g}"
