@@ -52,6 +52,9 @@ def user_errors(fn):
 ModelOpt = Annotated[str, typer.Option(help="embedded name, local dir or hub id")]
 BudgetOpt = Annotated[float | None, typer.Option(help="target total KV budget B in (0, 1]")]
 BatchOpt = Annotated[int, typer.Option(help="requests decoded together")]
+BatchingOpt = Annotated[
+    str, typer.Option(help="static (a batch runs to its longest case) or continuous (a freed row takes the next case)")
+]
 OutDirOpt = Annotated[Path | None, typer.Option(help="output dir (resumes if it has results)")]
 SaveTagsOpt = Annotated[bool, typer.Option(help="store per-token tags and prompt labels")]
 PolicyConfigOpt = Annotated[str | None, typer.Option(help="policy parameters as JSON")]
@@ -61,6 +64,13 @@ PrefillStoreOpt = Annotated[
     Path | None,
     typer.Option(help="reuse prompt prefills across runs from this directory (sets $PASK_PREFILL_STORE)"),
 ]
+
+
+def _check_batching(batching: str) -> None:
+    from pask.evaluation.run_bfcl import BATCHING
+
+    if batching not in BATCHING:
+        raise PaskError(f"unknown --batching '{batching}': choose {' or '.join(BATCHING)}")
 
 
 def _threads(n: int | None, prefill_store: Path | None = None) -> None:
@@ -212,6 +222,7 @@ def eval_bfcl(
     ),
     limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
     batch_size: BatchOpt = 8,
+    batching: BatchingOpt = "static",
     max_new_tokens: int = 384,
     out: OutDirOpt = None,
     dtype: str = "bf16",
@@ -227,6 +238,7 @@ def eval_bfcl(
     from pask.models import load_model
     from pask.tasks.function_calling import load_cases
 
+    _check_batching(batching)
     cats = [c.strip() for c in categories.split(",") if c.strip()]
     cases = load_cases(cats, split=split, limit=limit)  # validates categories/split before the model loads
     if not cases:
@@ -241,7 +253,9 @@ def eval_bfcl(
     summary = _with_progress(
         f"bfcl {policy}",
         len(cases),
-        lambda advance: run_bfcl(lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags),
+        lambda advance: run_bfcl(
+            lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags, batching
+        ),
     )
     print(table_markdown(summary, meta))
     console.print(f"results: {out}/")
@@ -433,6 +447,7 @@ def tune(
     limit: Annotated[int | None, typer.Option(help="bfcl: at most N cases per category; sql: the first N")] = None,
     search: Annotated[str, typer.Option(help="grid (Table 8 product) or coordinate (one knob at a time)")] = "grid",
     batch_size: int = 8,
+    batching: BatchingOpt = "static",
     max_new_tokens: Annotated[int | None, typer.Option(help="default: 384 (bfcl), 256 (sql)")] = None,
     out: Annotated[Path | None, typer.Option(help="work dir: tuning log + one run dir per configuration")] = None,
     configs: Annotated[
@@ -461,6 +476,7 @@ def tune(
         raise PaskError("tuning on the test split would leak it: use --split dev")
     if search not in ("grid", "coordinate"):
         raise PaskError(f"unknown search '{search}': choose grid or coordinate")
+    _check_batching(batching)
     get_policy(policy, budget=budget)  # unknown policy: clear error before the model loads
     if policy not in TABLE8_GRIDS:
         raise PaskError(f"no Table 8 grid for policy '{policy}'; tunable: {', '.join(sorted(TABLE8_GRIDS))}")
@@ -505,6 +521,7 @@ def tune(
                 get_policy(name, budget=b, **params),
                 lambda n: bar.advance(progress, n),
                 meta,
+                batching=batching,
             )
         return {"score": s["overall"][score_key], "measured_b": s["measured_b"], "n": s["overall"]["n"]}
 
@@ -524,6 +541,7 @@ def eval_sql(
         Path | None, typer.Option(help="dir with dev.json, tables.json, database/<db_id>/<db_id>.sqlite")
     ] = None,
     batch_size: BatchOpt = 8,
+    batching: BatchingOpt = "static",
     max_new_tokens: int = 256,
     out: OutDirOpt = None,
     dtype: str = "bf16",
@@ -538,6 +556,7 @@ def eval_sql(
     from pask.evaluation.run_sql import run_sql, select_cases, table_markdown
     from pask.models import load_model
 
+    _check_batching(batching)
     cases = select_cases(split, limit, data_dir)  # checks the data and every database before the model loads
     if not cases:
         raise PaskError(f"no text-to-SQL cases in split '{split}'")
@@ -554,7 +573,7 @@ def eval_sql(
         f"sql {policy}",
         len(cases),
         lambda advance: run_sql(
-            lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags, data_dir
+            lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags, data_dir, batching
         ),
     )
     print(table_markdown(summary, meta))

@@ -20,6 +20,7 @@ Config file (``tomllib``; relative paths are relative to the config file)::
     categories = ["simple", "multiple", "parallel", "parallel_multiple"]
     limit = 10                     # bfcl: cases per category; sql: first N cases of the split
     batch_size = 8
+    batching = "static"            # static | continuous (a finished row takes the next case)
     max_new_tokens = 384
     [bfcl.tables."qwen2.5-coder-0.5b"]
     "0.33" = "tables/qwen-bfcl-0.33.json"   # PASK table per (model, budget)
@@ -103,8 +104,9 @@ class TaskSpec:
         Option -> default value; the task's allowed option keys (besides ``tables``,
         ``policy_config`` and ``threads``).
     hashed : tuple of str
-        Options that change results (part of the cell's config hash); ``batch_size`` and
-        ``threads`` are not (batched greedy decoding equals one request at a time).
+        Options that change results (part of the cell's config hash); ``batch_size``,
+        ``batching`` and ``threads`` are not (batched greedy decoding equals one request at a
+        time; each run of a cell records its batching in ``cell.json``).
     runner_kwargs : tuple of str
         Options passed to the runner as keyword arguments.
     """
@@ -158,11 +160,13 @@ TASKS: dict[str, TaskSpec] = {
             "categories": ["simple", "multiple", "parallel", "parallel_multiple"],
             "limit": None,
             "batch_size": 8,
+            "batching": "static",
             "max_new_tokens": 384,
             "save_tags": False,
             "allow_transfer": False,
         },
         hashed=("categories", "limit", "max_new_tokens", "save_tags", "allow_transfer"),
+        runner_kwargs=("batching",),
     ),
     "sql": TaskSpec(
         name="sql",
@@ -172,13 +176,14 @@ TASKS: dict[str, TaskSpec] = {
         defaults={
             "limit": None,
             "batch_size": 8,
+            "batching": "static",
             "max_new_tokens": 256,
             "save_tags": False,
             "allow_transfer": False,
             "data_dir": None,
         },
         hashed=("limit", "max_new_tokens", "save_tags", "allow_transfer", "data_dir"),
-        runner_kwargs=("data_dir",),
+        runner_kwargs=("data_dir", "batching"),
     ),
 }
 
@@ -363,6 +368,11 @@ def _task_options(data: dict, task: str, base: Path) -> tuple[dict, dict, dict, 
     lim = opts["limit"]
     if lim is not None and (not isinstance(lim, int) or isinstance(lim, bool) or lim < 1):
         raise PaskError(f"[{task}] limit must be an integer >= 1, got {lim!r}")
+    if opts.get("batching", "static") != "static":
+        from pask.evaluation.run_bfcl import BATCHING
+
+        if opts["batching"] not in BATCHING:
+            raise PaskError(f"[{task}] batching must be one of {list(BATCHING)}, got {opts['batching']!r}")
     if "categories" in opts:
         _list(opts, "categories", str, f"[{task}]")
     if opts.get("data_dir") is not None:
@@ -775,6 +785,8 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
     man["status"] = "running"
     before = len(ids & set(read_done(p.dir / "cases.jsonl")))
     run = {"started": _now(), "mode": mode, "cases_before": before, "machine": machine()}
+    if "batching" in p.cell.options:
+        run["batching"] = p.cell.options["batching"]
     if p.cell.policy not in ABLATIONS and p.cell.policy != "full":  # what make_policy applies
         from pask.policies.tuning import effective_config
 

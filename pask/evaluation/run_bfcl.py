@@ -14,6 +14,7 @@ from pask.engine import Generation, Request, eos_ids, generate
 from pask.errors import PaskError
 from pask.evaluation.bfcl import check_calls
 from pask.evaluation.case_rows import read_done, repair_jsonl
+from pask.evaluation.continuous import decode_continuous
 from pask.models import LoadedModel
 from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
 from pask.structure.json_tagger import JsonCallTagger
@@ -22,6 +23,7 @@ from pask.tasks.function_calling import FunctionCase, build_grammar, build_promp
 
 TABLE_ORDER = ("simple", "multiple", "parallel", "parallel_multiple")
 LIVE_ORDER = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
+BATCHING = ("static", "continuous")  # how the runners batch their cases (see run_resumable)
 
 
 @dataclass
@@ -120,15 +122,20 @@ def run_resumable(
     score_fn: Callable,
     policy=None,
     progress: Callable[[int], None] | None = None,
+    batching: str = "static",
 ) -> tuple[int, float]:
     """The resumable batched loop shared by the task runners; returns (cases run, wall seconds).
 
     Cases already in ``out_dir/cases.jsonl`` are skipped (a torn last line is dropped first);
     ``prepare_fn(case) -> (Request, error or None)``; a case with an error is written as
-    ``error_row(case, request, error)`` without running; the others are decoded in batches sorted
-    by prompt length and written as ``score_fn(case, generation, request)`` (dataclass rows), one
-    line per case, flushed after every batch.
+    ``error_row(case, request, error)`` without running; the others are decoded in order of prompt
+    length and written as ``score_fn(case, generation, request)`` (dataclass rows), one line per
+    case. ``batching="static"``: batches of ``batch_size`` (:func:`pask.engine.generate`), flushed
+    per batch; ``"continuous"``: at most ``batch_size`` running, a finished row taken by the next
+    case (:mod:`pask.evaluation.continuous`), flushed per case.
     """
+    if batching not in BATCHING:
+        raise PaskError(f"unknown batching '{batching}': choose {' or '.join(BATCHING)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "cases.jsonl"
     repair_jsonl(jsonl)
@@ -146,6 +153,17 @@ def run_resumable(
             if progress:
                 progress(1)
         runnable = [p for p in prepared if p[2] is None]
+        if batching == "continuous":
+
+            def write(i: int, g: Generation) -> None:
+                c, r, _ = runnable[i]
+                f.write(json.dumps(asdict(score_fn(c, g, r))) + "\n")
+                f.flush()
+                if progress:
+                    progress(1)
+
+            decode_continuous(lm, ((i, r) for i, (_, r, _) in enumerate(runnable)), batch_size, policy, write)
+            return len(runnable), time.perf_counter() - t0
         for i in range(0, len(runnable), batch_size):
             chunk = runnable[i : i + batch_size]
             gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
@@ -168,8 +186,12 @@ def run_bfcl(
     progress: Callable[[int], None] | None = None,
     meta: dict | None = None,
     save_tags: bool = False,
+    batching: str = "static",
 ) -> dict:
-    """Evaluate cases (resuming from ``out_dir/cases.jsonl``) and write the summary; return it."""
+    """Evaluate cases (resuming from ``out_dir/cases.jsonl``) and write the summary; return it.
+
+    ``batching``: ``"static"`` or ``"continuous"`` (see :func:`run_resumable`).
+    """
     if batch_size < 1:
         raise PaskError("--batch-size must be >= 1")
     tagging = save_tags or getattr(policy, "needs_tags", False)
@@ -187,6 +209,7 @@ def run_bfcl(
         lambda c, g, r: score(c, g, r, save_tags),
         policy,
         progress,
+        batching,
     )
     return write_summary(out_dir, cases, n_run, wall, meta, summarize, table_markdown)
 

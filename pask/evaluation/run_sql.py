@@ -169,10 +169,12 @@ def run_sql(
     meta: dict | None = None,
     save_tags: bool = False,
     data_dir: Path | str | None = None,
+    batching: str = "static",
 ) -> dict:
     """Evaluate cases (resuming from ``out_dir/cases.jsonl``) and write the summary; return it.
 
-    ``data_dir`` is the directory the cases were loaded from (default: the bundled Spider dev copy).
+    ``data_dir`` is the directory the cases were loaded from (default: the bundled Spider dev copy);
+    ``batching``: ``"static"`` or ``"continuous"`` (see :func:`pask.evaluation.run_bfcl.run_resumable`).
     """
     if batch_size < 1:
         raise PaskError("--batch-size must be >= 1")
@@ -193,6 +195,7 @@ def run_sql(
         lambda c, g, r: score(c, g, database(c.db_id, data_dir).path, r, save_tags),
         policy,
         progress,
+        batching,
     )
     return write_summary(out_dir, cases, n_run, wall, meta, summarize, table_markdown)
 

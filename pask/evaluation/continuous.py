@@ -1,0 +1,66 @@
+"""Continuous batching for the offline task runners: a row leaves the batch when it stops.
+
+Static batches (:func:`pask.engine.generate`) decode until their longest request stops, so one
+request that runs to ``max_new_tokens`` keeps its whole batch stepping: on the text-to-SQL test
+split (mean 25 generated tokens, a few at 256) that is ~2.2x the decode steps of an ideal schedule.
+Here the waiting requests take the freed rows at the next step boundary instead, through the
+serving :class:`~pask.serving.scheduler.Scheduler` (per-request policy instance, tiered cache row,
+grammar and stop condition). Every policy runs on the tiered cache (Full KV as the ``full``
+policy), each prompt is prefilled alone (no padding), and results arrive in finishing order.
+Greedy decoding does not depend on the batch it runs in (up to floating-point rounding, which in
+bf16 can flip a near-tie token), so the accuracy of a run matches static batching's.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from pask.engine import Generation, Request
+from pask.kv.cache import CacheConfig
+from pask.models import LoadedModel
+
+K = TypeVar("K")
+
+
+def decode_continuous(
+    lm: LoadedModel,
+    items: Iterable[tuple[K, Request]],
+    max_batch: int,
+    policy=None,
+    on_result: Callable[[K, Generation], None] | None = None,
+    cache_config: CacheConfig | None = None,
+) -> dict[K, Generation]:
+    """Greedy-decode ``(key, request)`` items with at most ``max_batch`` running at once.
+
+    ``policy`` is copied (deep) for each request, so it must be unused; ``None`` is Full KV.
+    ``on_result(key, generation)`` is called as each request finishes (in finishing order).
+    Returns every generation by key.
+    """
+    from pask.policies.full import FullPolicy
+    from pask.serving.scheduler import Job, Scheduler
+
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    base = policy if policy is not None else FullPolicy()
+    results: dict[K, Generation] = {}
+
+    def finished(key: K) -> Callable[[Job], None]:
+        def done(job: Job) -> None:
+            if job.result is None:  # only an error or a cancellation ends a job without a result
+                raise RuntimeError(f"request {key!r} ended without a result ({job.stop}: {job.error})")
+            results[key] = job.result
+            if on_result is not None:
+                on_result(key, job.result)
+
+        return done
+
+    sch = Scheduler(lm, lambda: copy.deepcopy(base), cache_config=cache_config or CacheConfig(), max_batch=max_batch)
+    try:
+        for i, (key, req) in enumerate(items):
+            sch.submit(Job(id=str(i), request=req, on_finish=finished(key)))
+        sch.run_until_idle()
+    finally:
+        sch.close()
+    return results
