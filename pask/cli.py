@@ -446,6 +446,9 @@ def tune(
     ),
     limit: Annotated[int | None, typer.Option(help="bfcl: at most N cases per category; sql: the first N")] = None,
     search: Annotated[str, typer.Option(help="grid (Table 8 product) or coordinate (one knob at a time)")] = "grid",
+    grid: Annotated[
+        str | None, typer.Option(help='JSON {"param": [values], ...} searched instead of the Table 8 grid')
+    ] = None,
     batch_size: int = 8,
     batching: BatchingOpt = "static",
     max_new_tokens: Annotated[int | None, typer.Option(help="default: 384 (bfcl), 256 (sql)")] = None,
@@ -464,7 +467,7 @@ def tune(
     """
     from pask.models import load_model
     from pask.policies import get_policy
-    from pask.policies.tuning import TABLE8_GRIDS, configs_path_for
+    from pask.policies.tuning import TABLE8_GRIDS, configs_path_for, parse_grid
     from pask.policies.tuning import tune as run_tune
     from pask.sweep import TASKS
 
@@ -480,6 +483,7 @@ def tune(
     get_policy(policy, budget=budget)  # unknown policy: clear error before the model loads
     if policy not in TABLE8_GRIDS:
         raise PaskError(f"no Table 8 grid for policy '{policy}'; tunable: {', '.join(sorted(TABLE8_GRIDS))}")
+    search_grid = parse_grid(policy, budget, grid) if grid is not None else None
     if task == "bfcl":
         from pask.evaluation.run_bfcl import run_bfcl as run_task
         from pask.tasks.function_calling import LIVE, load_cases
@@ -525,7 +529,7 @@ def tune(
             )
         return {"score": s["overall"][score_key], "measured_b": s["measured_b"], "n": s["overall"]["n"]}
 
-    best = run_tune(policy, budget, None, evaluate, out / "tuning.jsonl", configs, search)
+    best = run_tune(policy, budget, search_grid, evaluate, out / "tuning.jsonl", configs, search)
     console.print(f"{policy} at B={budget:g} ({task}): chosen {best} -> {configs}")
 
 

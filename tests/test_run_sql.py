@@ -166,6 +166,38 @@ def test_cli_tune_sql_records_in_the_sql_file_only(tmp_path, monkeypatch):
     assert len(rows) == 1 and rows[0]["id"] in {c.id for c in select_cases("dev")}
 
 
+def test_cli_tune_sql_custom_grid_continuous(tmp_path, monkeypatch):
+    """`--grid` replaces the Table 8 grid (here: two candidates); runs take --batching continuous."""
+    from pask.policies import tuning
+
+    monkeypatch.setattr(tuning, "SQL_CONFIGS_PATH", tmp_path / "configs_sql.json")
+    args = ["tune", "--task", "sql", "--policy", "h2o", "--budget", "0.5", "--grid", '{"recent": [16, 64]}']
+    args += ["--model", "smollm2-135m", "--dtype", "fp32", "--limit", "2", "--max-new-tokens", "4"]
+    res = runner.invoke(app, [*args, "--batching", "continuous", "--threads", "1", "--out", str(tmp_path / "t")])
+    assert res.exit_code == 0, res.output
+    log = [json.loads(x) for x in (tmp_path / "t" / "tuning.jsonl").read_text().splitlines()]
+    assert [r["params"] for r in log] == [{"recent": 16}, {"recent": 64}] and all(r["n"] == 2 for r in log)
+    chosen = json.loads((tmp_path / "configs_sql.json").read_text())["h2o"]["0.5"]
+    assert chosen in ({"recent": 16}, {"recent": 64})
+    assert make_policy("h2o", 0.5, task="sql").recent == chosen["recent"]
+
+
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ("nope", "--grid is not valid JSON"),
+        ("[16]", "--grid must be a non-empty JSON object"),
+        ('{"recent": []}', "'recent' needs a non-empty list of values"),
+        ('{"colour": [1]}', "h2o rejects {'colour': 1}"),
+        ('{"recent": [-5]}', "recent must be an integer >= 0"),
+    ],
+)
+def test_cli_tune_bad_grid(grid, message, tmp_path):
+    args = ["tune", "--task", "sql", "--policy", "h2o", "--budget", "0.5", "--grid", grid, "--out", str(tmp_path)]
+    res = runner.invoke(app, [*args, "--model", "no-model-needed"])
+    assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 

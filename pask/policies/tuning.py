@@ -48,6 +48,29 @@ TABLE8_GRIDS: dict[str, dict[str, list]] = {
 EvaluateFn = Callable[[str, float, dict], float | Mapping[str, Any]]
 
 
+def parse_grid(policy_name: str, budget: float, text: str) -> dict[str, list]:
+    """A search grid from JSON ``{"param": [values], ...}`` (``pask tune --grid``), checked against the policy.
+
+    :class:`PaskError` for text that is not such an object, an empty value list, or a parameter or
+    value the policy rejects.
+    """
+    try:
+        grid = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PaskError(f"--grid is not valid JSON: {e}") from None
+    if not isinstance(grid, dict) or not grid:
+        raise PaskError('--grid must be a non-empty JSON object {"param": [values], ...}')
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise PaskError(f"--grid: '{key}' needs a non-empty list of values, got {values!r}")
+    for params in grid_configs(grid):
+        try:
+            get_policy(policy_name, budget=budget, **params)
+        except (TypeError, ValueError, PaskError) as e:
+            raise PaskError(f"--grid: {policy_name} rejects {params}: {e}") from None
+    return grid
+
+
 def grid_configs(grid: Mapping[str, Sequence]) -> list[dict]:
     """Every configuration of ``grid`` (keys in the given order, last key varying fastest)."""
     keys = list(grid)
