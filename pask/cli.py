@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from pask.errors import PaskError
+from pask.evaluation.continuous import check_batching
 from pask.models import DEFAULT_MODEL
 from pask.sweep import code_version, file_sha256, machine
 
@@ -64,13 +65,6 @@ PrefillStoreOpt = Annotated[
     Path | None,
     typer.Option(help="reuse prompt prefills across runs from this directory (sets $PASK_PREFILL_STORE)"),
 ]
-
-
-def _check_batching(batching: str) -> None:
-    from pask.evaluation.run_bfcl import BATCHING
-
-    if batching not in BATCHING:
-        raise PaskError(f"unknown --batching '{batching}': choose {' or '.join(BATCHING)}")
 
 
 def _threads(n: int | None, prefill_store: Path | None = None) -> None:
@@ -238,7 +232,7 @@ def eval_bfcl(
     from pask.models import load_model
     from pask.tasks.function_calling import load_cases
 
-    _check_batching(batching)
+    check_batching(batching, "--batching")
     cats = [c.strip() for c in categories.split(",") if c.strip()]
     cases = load_cases(cats, split=split, limit=limit)  # validates categories/split before the model loads
     if not cases:
@@ -479,7 +473,7 @@ def tune(
         raise PaskError("tuning on the test split would leak it: use --split dev")
     if search not in ("grid", "coordinate"):
         raise PaskError(f"unknown search '{search}': choose grid or coordinate")
-    _check_batching(batching)
+    check_batching(batching, "--batching")
     get_policy(policy, budget=budget)  # unknown policy: clear error before the model loads
     if policy not in TABLE8_GRIDS:
         raise PaskError(f"no Table 8 grid for policy '{policy}'; tunable: {', '.join(sorted(TABLE8_GRIDS))}")
@@ -560,7 +554,7 @@ def eval_sql(
     from pask.evaluation.run_sql import run_sql, select_cases, table_markdown
     from pask.models import load_model
 
-    _check_batching(batching)
+    check_batching(batching, "--batching")
     cases = select_cases(split, limit, data_dir)  # checks the data and every database before the model loads
     if not cases:
         raise PaskError(f"no text-to-SQL cases in split '{split}'")

@@ -64,6 +64,7 @@ from typing import Any
 
 from pask.errors import PaskError
 from pask.evaluation.case_rows import read_done, repair_jsonl
+from pask.evaluation.continuous import BATCHING
 
 CELL_FILE = "cell.json"
 SWEEP_FILE = "sweep.json"  # the record's name for a config given without a file
@@ -368,11 +369,8 @@ def _task_options(data: dict, task: str, base: Path) -> tuple[dict, dict, dict, 
     lim = opts["limit"]
     if lim is not None and (not isinstance(lim, int) or isinstance(lim, bool) or lim < 1):
         raise PaskError(f"[{task}] limit must be an integer >= 1, got {lim!r}")
-    if opts.get("batching", "static") != "static":
-        from pask.evaluation.run_bfcl import BATCHING
-
-        if opts["batching"] not in BATCHING:
-            raise PaskError(f"[{task}] batching must be one of {list(BATCHING)}, got {opts['batching']!r}")
+    if "batching" in opts and opts["batching"] not in BATCHING:
+        raise PaskError(f"[{task}] batching must be one of {list(BATCHING)}, got {opts['batching']!r}")
     if "categories" in opts:
         _list(opts, "categories", str, f"[{task}]")
     if opts.get("data_dir") is not None:

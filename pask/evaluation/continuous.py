@@ -15,13 +15,24 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from pask.engine import Generation, Request
-from pask.kv.cache import CacheConfig
-from pask.models import LoadedModel
+from pask.errors import PaskError
+
+if TYPE_CHECKING:  # this module stays light: the sweep and the CLI check ``batching`` before loading torch
+    from pask.engine import Generation, Request
+    from pask.kv.cache import CacheConfig
+    from pask.models import LoadedModel
 
 K = TypeVar("K")
+
+BATCHING = ("static", "continuous")  # how the task runners batch their cases
+
+
+def check_batching(batching: str, name: str = "batching") -> None:
+    """:class:`PaskError` unless ``batching`` is one of :data:`BATCHING` (``name``: how the user gave it)."""
+    if batching not in BATCHING:
+        raise PaskError(f"unknown {name} '{batching}': choose {' or '.join(BATCHING)}")
 
 
 def decode_continuous(
@@ -38,6 +49,7 @@ def decode_continuous(
     ``on_result(key, generation)`` is called as each request finishes (in finishing order).
     Returns every generation by key.
     """
+    from pask.kv.cache import CacheConfig
     from pask.policies.full import FullPolicy
     from pask.serving.scheduler import Job, Scheduler
 

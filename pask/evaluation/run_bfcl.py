@@ -14,7 +14,7 @@ from pask.engine import Generation, Request, eos_ids, generate
 from pask.errors import PaskError
 from pask.evaluation.bfcl import check_calls
 from pask.evaluation.case_rows import read_done, repair_jsonl
-from pask.evaluation.continuous import decode_continuous
+from pask.evaluation.continuous import check_batching, decode_continuous
 from pask.models import LoadedModel
 from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
 from pask.structure.json_tagger import JsonCallTagger
@@ -23,7 +23,6 @@ from pask.tasks.function_calling import FunctionCase, build_grammar, build_promp
 
 TABLE_ORDER = ("simple", "multiple", "parallel", "parallel_multiple")
 LIVE_ORDER = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
-BATCHING = ("static", "continuous")  # how the runners batch their cases (see run_resumable)
 
 
 @dataclass
@@ -134,8 +133,7 @@ def run_resumable(
     per batch; ``"continuous"``: at most ``batch_size`` running, a finished row taken by the next
     case (:mod:`pask.evaluation.continuous`), flushed per case.
     """
-    if batching not in BATCHING:
-        raise PaskError(f"unknown batching '{batching}': choose {' or '.join(BATCHING)}")
+    check_batching(batching)
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "cases.jsonl"
     repair_jsonl(jsonl)
@@ -153,22 +151,26 @@ def run_resumable(
             if progress:
                 progress(1)
         runnable = [p for p in prepared if p[2] is None]
+
+        def write(c, g: Generation, r: Request) -> None:
+            f.write(json.dumps(asdict(score_fn(c, g, r))) + "\n")
+
         if batching == "continuous":
 
-            def write(i: int, g: Generation) -> None:
+            def finished(i: int, g: Generation) -> None:
                 c, r, _ = runnable[i]
-                f.write(json.dumps(asdict(score_fn(c, g, r))) + "\n")
+                write(c, g, r)
                 f.flush()
                 if progress:
                     progress(1)
 
-            decode_continuous(lm, ((i, r) for i, (_, r, _) in enumerate(runnable)), batch_size, policy, write)
+            decode_continuous(lm, ((i, r) for i, (_, r, _) in enumerate(runnable)), batch_size, policy, finished)
             return len(runnable), time.perf_counter() - t0
         for i in range(0, len(runnable), batch_size):
             chunk = runnable[i : i + batch_size]
             gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
             for (c, r, _), g in zip(chunk, gens, strict=True):
-                f.write(json.dumps(asdict(score_fn(c, g, r))) + "\n")
+                write(c, g, r)
             f.flush()
             n_run += len(chunk)
             if progress:
