@@ -318,3 +318,43 @@ def test_step_statistics_policy_decodes_through_the_kernel(native, monkeypatch):
     assert len(seen["native"]) == len(seen["explicit"]) == 7
     for a, b in zip(seen["native"], seen["explicit"], strict=True):
         torch.testing.assert_close(a, b, atol=0.02, rtol=0.05)  # bf16 forwards: same attention, summation order
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.sampled_from([(2, 7, 64), (3, 3, 64), (2, 6, 128), (1, 8, 64), (1, 1, 128), (1, 9, 64)]),
+    lengths=st.lists(st.integers(1, 700), min_size=1, max_size=3),
+    mix=st.sampled_from([(0.0, 1.0, 0.0), (0.34, 0.33, 0.33), (0.05, 0.9, 0.05)]),
+    seed=st.integers(0, 2**16),
+    key_scale=st.sampled_from([1.0, 30.0]),
+)
+def test_amx_tiles_agree_with_the_vector_kernel(native, shape, lengths, mix, seed, key_scale):
+    """The AMX INT4 path (hi / lo bf16 operands) matches the AVX-512 FMA path to bf16 rounding."""
+    if not na.use_amx(True):
+        pytest.skip("no AMX tiles here")
+    hkv, grp, d = shape
+    _, layer = _layer(hkv, grp, d, lengths, [mix] * len(lengths), seed=seed, key_scale=key_scale)
+    q = (torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+    try:
+        tiles, tile_probs = na.decode_layer(layer, q, d**-0.5, weights=True)
+        assert na.use_amx(False) is False
+        vector, vector_probs = na.decode_layer(layer, q, d**-0.5, weights=True)
+    finally:
+        na.use_amx(True)
+    want = _reference(layer, q, d**-0.5)
+    scale = max(1.0, float(want.abs().max()))
+    err_tiles = float((tiles[:, 0].float() - want).abs().max())
+    err_vector = float((vector[:, 0].float() - want).abs().max())
+    assert err_tiles <= max(2 * err_vector, 2**-8 * scale)  # bf16 outputs: a few ulps of the row scale
+    assert float((tiles.float() - vector.float()).abs().max()) <= 2**-6 * scale
+    assert (tiles != vector).float().mean() < 0.2  # mostly identical after bf16 rounding
+    for a, b in zip(tile_probs, vector_probs, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-5)  # scores in the hundreds: ~1e-5 relative
+
+
+def test_amx_switch_without_tiles_reports_off(native):
+    """use_amx(True) reports what runs; off always succeeds."""
+    on = na.use_amx(True)
+    assert on == na.isa().endswith("+amx")
+    assert na.use_amx(False) is False and na.isa() in ("avx512", "avx2", "portable")
+    na.use_amx(True)

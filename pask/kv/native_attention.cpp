@@ -25,8 +25,17 @@
 #include <immintrin.h>
 #define PASK_AVX2 1  // 8-lane kernels for CPUs without AVX-512 (e.g. AMD Zen 2/3)
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__)
+#define PASK_AMX 1  // INT4 tier on AMX tiles (Sapphire Rapids and later), if the OS grants tile state
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -134,6 +143,7 @@ struct State {
   alignas(64) float zs[MAXR][MAXD / QG];
   alignas(64) float sc[MAXR][BT];  // scores of the current block, then its probabilities
   float* trace = nullptr;  // if set: every block's scores, row r at trace + r * tstride (stream order)
+  bool amx = false;        // INT4 tier on AMX tiles (tile config loaded for this task)
   int64_t tstride = 0, toff = 0;
 
   void init(int g_, int d_) {
@@ -417,6 +427,88 @@ void l_values_group(State& st, const uint8_t* vq, const float* vs, const float* 
     }
   }
 }
+
+#if defined(PASK_AMX)
+// ---- AMX kernels for the INT4 tier -----------------------------------------------------------
+// Every tile is 64 bytes wide: A = query rows (scores) or value weights (values) in bf16, each fp32
+// operand split into a high and a low bf16 part (x = hi + lo to ~2^-17 relative), so that with
+// exact bf16 codes (0..15) the products keep the FP32 kernels' accuracy; B = codes as bf16 in the
+// VNNI pair layout (row = a pair along the reduced axis, 16 columns of two bf16); C = FP32.
+// Tiles: 0 / 1 A hi / lo (grp rows), 2 / 3 B (16 rows), 4 / 5 C (grp rows).
+
+// Whether the AMX path runs: compiled in, tile state granted by the OS, and not turned off
+// (PASK_AMX=0 at load, or pask_attention_use_amx(0)).
+bool amx_granted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+std::atomic<int> amx_wanted{[] {
+  const char* e = std::getenv("PASK_AMX");
+  return e != nullptr && e[0] == '0' ? 0 : 1;
+}()};
+
+bool amx_enabled() { return amx_wanted.load(std::memory_order_relaxed) != 0 && amx_granted(); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_begin(int grp) {  // A and C tiles: 2 grp rows (hi parts over lo parts); B tiles: 16 rows
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = static_cast<uint8_t>(i == 2 || i == 3 ? 16 : 2 * grp);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// word i -> bf16(i & 15): vpermw reads bits 0..4 of each index word, so a byte whose low nibble is
+// the code indexes it directly (bit 4, the next nibble's, is ignored by the table's repeat).
+alignas(64) constexpr uint16_t kCodeBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
+    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
+    0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+// byte permutation: output word 2i <- src byte a + i, word 2i + 1 <- src byte b + i (i < 16)
+struct PairIndex {
+  alignas(64) uint8_t x[64] = {};
+  constexpr PairIndex(int a, int b) {
+    for (int i = 0; i < 16; ++i) {
+      x[4 * i] = static_cast<uint8_t>(a + i);
+      x[4 * i + 2] = static_cast<uint8_t>(b + i);
+    }
+  }
+  __m512i load() const { return _mm512_load_si512(x); }
+};
+constexpr PairIndex kRows0(0, 32), kRows1(16, 48);  // key codes: slots 0..15 / 16..31 of rows d, d + 1
+constexpr PairIndex kSlots0(0, 16), kSlots1(32, 48);  // value codes: slot pairs (0, 1) / (2, 3)
+
+inline __m512i code_table() { return _mm512_load_si512(kCodeBf16); }
+
+inline __m512i codes_bf16(__m512i idx, __m512i src, __m512i table) {
+  return _mm512_permutexvar_epi16(_mm512_permutexvar_epi8(idx, src), table);
+}
+
+// x[0..32) fp32 -> hi, lo bf16 rows with x ~= hi + lo
+inline void split_bf16(const float* x, uint16_t* hi, uint16_t* lo) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+  const __m512i hi16 = (__m512i)h;
+  const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi16)), 16));
+  const __m512 hb =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi16, 1)), 16));
+  _mm512_storeu_si512(hi, hi16);
+  _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+}
+
+#endif
 #elif defined(PASK_AVX2)
 // ---- AVX2 + FMA kernels (D = 64 or 128): the AVX-512 kernels' structure on 8 lanes, with the
 // block's BF16 keys / values and INT4 codes widened to fp32 once per block (the 16 ymm registers
@@ -777,6 +869,184 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
   }
 }
 
+#if defined(PASK_AMX)
+// The INT4 tier on AMX tiles, in two passes: (1) every slot's score, group by group (the query's A
+// tile loaded once per group), into a per-task buffer; (2) one softmax step for the whole tier
+// (the running state rescaled at most once), then the values group by group with the accumulators
+// kept in tiles across blocks and stored once. Needs 2 grp <= MAXR (hi / lo rows stacked).
+void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap, nb = (s.ln + BT - 1) / BT, lp = nb * BT;
+  const uint8_t* KQ = s.kq + static_cast<int64_t>(h) * (cap / BT) * D * (BT / 2);
+  const uint16_t* KSZ = s.ksz + static_cast<int64_t>(h) * G * cap * 2;
+  const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 2);
+  const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
+  const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
+  alignas(64) float qs[MAXR][MAXD];
+  alignas(64) float qsum[MAXD / QG][MAXR];
+  alignas(64) float cst[MAXR];
+  balanced_query(st, qf, scaling, s.kbal + static_cast<int64_t>(h) * 2 * D, qs, qsum, cst);
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(grp * lp) + 16);
+  float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  const __m512i table = code_table(), lo16 = kRows0.load(), hi16 = kRows1.load();
+  const __m512i p0 = kSlots0.load(), p1 = kSlots1.load();
+  alignas(64) uint16_t a[2][MAXR][32];      // A: [K chunk][hi rows, lo rows][32]
+  alignas(64) uint16_t b[4][QG / 2][32];    // B: four 16-row tiles
+  alignas(64) float cs[MAXR][BT];           // C: scores of one block and group
+  alignas(64) float scl[BT], off[BT], vsf[BT], vzf[BT];
+  // (1) scores: S[r][t] = cst_r + sum_g scale_gt (qs_rg . c_gt) + off_gt qsum_gr
+  for (int g = 0; g < G; ++g) {
+    for (int r = 0; r < grp; ++r) split_bf16(qs[r] + g * QG, a[0][r], a[0][grp + r]);
+    _tile_loadd(0, a[0], 64);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const uint8_t* rows = KQ + (blk * D + g * QG) * (BT / 2);  // rows d, d + 1: 64 adjacent bytes
+      for (int p = 0; p < QG / 2; ++p) {
+        const __m512i x = _mm512_loadu_si512(rows + p * BT);
+        const __m512i hx = _mm512_srli_epi16(x, 4);  // high nibbles (slots 32..63) into the low ones
+        _mm512_store_si512(b[0][p], codes_bf16(lo16, x, table));
+        _mm512_store_si512(b[1][p], codes_bf16(hi16, x, table));
+        _mm512_store_si512(b[2][p], codes_bf16(lo16, hx, table));
+        _mm512_store_si512(b[3][p], codes_bf16(hi16, hx, table));
+      }
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      _tile_loadd(2, b[0], 64);
+      _tile_loadd(3, b[1], 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_loadd(2, b[2], 64);
+      _tile_loadd(3, b[3], 64);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(7, 0, 3);
+      _tile_stored(4, &cs[0][0], BT * 4);
+      _tile_stored(5, &cs[0][16], BT * 4);
+      _tile_stored(6, &cs[0][32], BT * 4);
+      _tile_stored(7, &cs[0][48], BT * 4);
+      // (scale, zero) bf16 pairs -> scale, zero - 8 scale; whole block: slots past ln hold finite data
+      const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + blk * BT) * 2;
+      for (int c = 0; c < 4; ++c) {
+        const __m512i w = _mm512_loadu_si512(sz + 32 * c);
+        const __m512 sc16 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        const __m512 z16 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        _mm512_store_ps(scl + 16 * c, sc16);
+        _mm512_store_ps(off + 16 * c, _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sc16, z16));
+      }
+      for (int r = 0; r < grp; ++r) {
+        const __m512 qg = _mm512_set1_ps(qsum[g][r]);
+        float* sr = S + r * lp + blk * BT;
+        for (int c = 0; c < 4; ++c) {
+          const __m512 dot = _mm512_add_ps(_mm512_load_ps(cs[r] + 16 * c), _mm512_load_ps(cs[grp + r] + 16 * c));
+          const __m512 prev = g == 0 ? _mm512_set1_ps(cst[r]) : _mm512_load_ps(sr + 16 * c);
+          const __m512 x = _mm512_fmadd_ps(_mm512_load_ps(off + 16 * c), qg, prev);
+          _mm512_store_ps(sr + 16 * c, _mm512_fmadd_ps(_mm512_load_ps(scl + 16 * c), dot, x));
+        }
+      }
+    }
+  }
+  // (2) one softmax step for the tier: S becomes the weights (0 past ln)
+  if (st.trace != nullptr) {
+    for (int r = 0; r < grp; ++r) std::copy(S + r * lp, S + r * lp + s.ln, st.trace + r * st.tstride + st.toff);
+    st.toff += s.ln;
+  }
+  for (int r = 0; r < grp; ++r) {
+    float* sr = S + r * lp;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < s.ln; t0 += 16)
+      mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, State::tail(static_cast<int>(std::min<int64_t>(16, s.ln - t0)), 0), sr + t0));
+    const float mb = _mm512_reduce_max_ps(mv);
+    const float mn = std::max(st.m[r], mb);
+    if (mn == -INFINITY) {
+      std::fill(sr, sr + lp, 0.0f);
+      continue;
+    }
+    if (mn > st.m[r]) {
+      const float f = st.m[r] == -INFINITY ? 0.0f : fexp(st.m[r] - mn);
+      st.l[r] *= f;
+      for (int d = 0; d < D; ++d) st.acc[r][d] *= f;
+      for (int d = 0; d < D / 2; ++d) st.even[r][d] *= f;
+      for (int d = 0; d < D / 2; ++d) st.odd[r][d] *= f;
+      for (int k = 0; k < G; ++k) st.zs[r][k] *= f;
+      st.m[r] = mn;
+    }
+    const __m512 m = _mm512_set1_ps(mn);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < lp; t0 += 16) {  // weights past ln are 0
+      const __m512 x = _mm512_maskz_mov_ps(State::tail(static_cast<int>(std::min<int64_t>(16, s.ln - t0)), 0),
+                                           fexp16(_mm512_sub_ps(_mm512_load_ps(sr + t0), m)));
+      _mm512_store_ps(sr + t0, x);
+      sum = _mm512_add_ps(sum, x);
+    }
+    st.l[r] += _mm512_reduce_add_ps(sum);
+  }
+  // (3) values: even / odd[r] += sum_t w_t codes_t with w = p vs (A, hi / lo), zs[r] += sum_t p vz
+  for (int g = 0; g < G; ++g) {
+    __m512 zv[MAXR / 2];
+    for (int r = 0; r < grp; ++r) zv[r] = _mm512_setzero_ps();
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int64_t base = static_cast<int64_t>(g) * cap + blk * BT;
+      for (int c = 0; c < BT / 16; ++c) {
+        _mm512_store_ps(vsf + 16 * c, bf16x16(VS + base + 16 * c));
+        _mm512_store_ps(vzf + 16 * c, bf16x16(VZ + base + 16 * c));
+      }
+      for (int r = 0; r < grp; ++r) {
+        alignas(64) float w[BT];
+        const float* pr = S + r * lp + blk * BT;
+        for (int c = 0; c < BT / 16; ++c) {
+          const __m512 p = _mm512_load_ps(pr + 16 * c);
+          _mm512_store_ps(w + 16 * c, _mm512_mul_ps(p, _mm512_load_ps(vsf + 16 * c)));
+          zv[r] = _mm512_fmadd_ps(p, _mm512_load_ps(vzf + 16 * c), zv[r]);
+        }
+        split_bf16(w, a[0][r], a[0][grp + r]);
+        split_bf16(w + 32, a[1][r], a[1][grp + r]);
+      }
+      const uint8_t* vq = VQ + base * (QG / 2);
+      for (int k = 0; k < 2; ++k)
+        for (int t4 = 0; t4 < 8; ++t4) {  // slots 32k + 4 t4 .. + 3: 64 adjacent bytes
+          const __m512i x = _mm512_loadu_si512(vq + (32 * k + 4 * t4) * (QG / 2));
+          const __m512i hx = _mm512_srli_epi16(x, 4);
+          _mm512_store_si512(b[2 * k][2 * t4], codes_bf16(p0, x, table));      // even dims
+          _mm512_store_si512(b[2 * k][2 * t4 + 1], codes_bf16(p1, x, table));
+          _mm512_store_si512(b[2 * k + 1][2 * t4], codes_bf16(p0, hx, table));  // odd dims
+          _mm512_store_si512(b[2 * k + 1][2 * t4 + 1], codes_bf16(p1, hx, table));
+        }
+      _tile_loadd(0, a[0], 64);
+      _tile_loadd(2, b[0], 64);
+      _tile_loadd(3, b[1], 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_loadd(0, a[1], 64);
+      _tile_loadd(2, b[2], 64);
+      _tile_loadd(3, b[3], 64);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(7, 0, 3);
+    }
+    alignas(64) float ce[2][MAXR][16], co[2][MAXR][16];
+    _tile_stored(4, ce[0], 64);
+    _tile_stored(5, co[0], 64);
+    _tile_stored(6, ce[1], 64);
+    _tile_stored(7, co[1], 64);
+    for (int r = 0; r < grp; ++r) {
+      st.zs[r][g] += _mm512_reduce_add_ps(zv[r]);
+      float* e = st.even[r] + g * (QG / 2);
+      float* o = st.odd[r] + g * (QG / 2);
+      const __m512 se = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(ce[0][r]), _mm512_load_ps(ce[0][grp + r])),
+                                      _mm512_add_ps(_mm512_load_ps(ce[1][r]), _mm512_load_ps(ce[1][grp + r])));
+      const __m512 so = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(co[0][r]), _mm512_load_ps(co[0][grp + r])),
+                                      _mm512_add_ps(_mm512_load_ps(co[1][r]), _mm512_load_ps(co[1][grp + r])));
+      _mm512_store_ps(e, _mm512_add_ps(_mm512_load_ps(e), se));
+      _mm512_store_ps(o, _mm512_add_ps(_mm512_load_ps(o), so));
+    }
+  }
+}
+#endif
+
 // The INT2 tier (bits == 2): token-major codes, scored one token at a time (no blocked layout).
 void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
@@ -850,12 +1120,26 @@ extern "C" {
 
 // The instruction set the decode kernels were compiled for.
 const char* pask_attention_isa() {
-#if defined(__AVX512F__)
+#if defined(PASK_AMX)
+  return amx_enabled() ? "avx512+amx" : "avx512";
+#elif defined(__AVX512F__)
   return "avx512";
 #elif defined(PASK_AVX2)
   return "avx2";
 #else
   return "portable";
+#endif
+}
+
+// Turns the AMX path for the INT4 tier on (want != 0, if the CPU and OS allow) or off; returns
+// whether it is on now. Without an AMX build: always 0.
+int pask_attention_use_amx(int want) {
+#if defined(PASK_AMX)
+  amx_wanted.store(want != 0 ? 1 : 0);
+  return amx_enabled() ? 1 : 0;
+#else
+  (void)want;
+  return 0;
 #endif
 }
 
@@ -895,6 +1179,10 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
       }
     State st;
     st.init(grp, D);
+#if defined(PASK_AMX)
+    st.amx = bits == 4 && s.ln > 0 && (D == 64 || D == 128) && 2 * grp <= MAXR && amx_enabled();
+    if (st.amx) amx_begin(grp);
+#endif
     float* pw = probs != nullptr && probs[b] != nullptr ? static_cast<float*>(probs[b]) : nullptr;
     std::vector<float> trace;
     if (pw != nullptr) {
@@ -905,8 +1193,14 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
     if (s.hn > 0) h_stream(st, qb, qh, scaling, s, h);
     if (s.ln > 0) {
       if (bits == 2) l2_stream(st, qf, scaling, s, h);
+#if defined(PASK_AMX)
+      else if (st.amx) l_stream_amx(st, qf, scaling, s, h);
+#endif
       else l_stream(st, qf, scaling, s, h);
     }
+#if defined(PASK_AMX)
+    if (st.amx) _tile_release();
+#endif
     st.write(o);
     if (pw != nullptr) st.weights(pw + static_cast<int64_t>(h) * st.tstride);
   }

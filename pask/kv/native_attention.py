@@ -9,7 +9,11 @@ path (PyTorch's flash kernel + six int4-GEMM calls per sequence and layer), whos
 compute-bound INT4 GEMM made an INT4 token slower to read than a BF16 one on this CPU.
 
 Build: compiled on first use by :mod:`pask.native` (``-O3 -march=native -fopenmp``; AVX-512 or
-AVX2 + FMA kernels where the CPU has them, portable loops otherwise). A start-up
+AVX2 + FMA kernels where the CPU has them, portable loops otherwise). Where the CPU has AMX (BF16
+tiles) and the OS grants tile state, the INT4 tier runs on tiles: codes widened to exact bf16,
+fp32 query rows and weights split into two bf16 parts (FP32-level accuracy), scores of the whole
+tier first, then one softmax step and the values with tile accumulators (:func:`use_amx`,
+``PASK_AMX=0``). A start-up
 probe checks the library against the reference attention on random tiers. Without a compiler, or
 if the probe fails, :func:`available` is False and the previous paths run. ``PASK_NATIVE=0``
 disables it.
@@ -52,6 +56,8 @@ def _load() -> ctypes.CDLL:
     m.argtypes += [i64, ctypes.c_int64, vp, ctypes.c_int]
     m.restype = ctypes.c_int
     lib.pask_attention_isa.restype = ctypes.c_char_p
+    lib.pask_attention_use_amx.argtypes = [ctypes.c_int]
+    lib.pask_attention_use_amx.restype = ctypes.c_int
     return lib
 
 
@@ -106,8 +112,16 @@ def status() -> str:
     return _STATE or "not probed"
 
 
+def use_amx(on: bool) -> bool:
+    """Turn the AMX tiles for the INT4 tier on or off (on by default where the CPU and OS allow;
+    ``PASK_AMX=0`` starts with them off); returns whether they are on now."""
+    if _LIB is None and not available():
+        return False
+    return bool(_LIB.pask_attention_use_amx(int(on)))
+
+
 def isa() -> str | None:
-    """The instruction set the kernels were built for (``avx512``, ``avx2``, ``portable``), or None."""
+    """The instruction set the kernels run (``avx512+amx``, ``avx512``, ``avx2``, ``portable``), or None."""
     return _LIB.pask_attention_isa().decode() if available() and _LIB is not None else None
 
 
