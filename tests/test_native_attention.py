@@ -334,7 +334,9 @@ def test_amx_tiles_agree_with_the_vector_kernel(native, shape, lengths, mix, see
         pytest.skip("no AMX tiles here")
     hkv, grp, d = shape
     _, layer = _layer(hkv, grp, d, lengths, [mix] * len(lengths), seed=seed, key_scale=key_scale)
-    q = (torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+    q = (torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)) * 2).to(
+        torch.bfloat16
+    )
     try:
         tiles, tile_probs = na.decode_layer(layer, q, d**-0.5, weights=True)
         assert na.use_amx(False) is False
