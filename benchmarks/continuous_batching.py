@@ -83,7 +83,8 @@ def run_both(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Static vs continuous batching (text-to-SQL runner)", "", f"Command: `{result['command']}`", ""]
+    title = "Static vs continuous batching" if "runs" in result else "Two runs of one cell, case by case"
+    lines = [f"# {title} (text-to-SQL runner)", "", f"Command: `{result['command']}`", ""]
     if "runs" in result:
         lines += [
             f"{result['model']}, {result['policy']} at B {result['budget']}, batch {result['batch_size']}, "

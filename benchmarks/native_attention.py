@@ -5,6 +5,8 @@ Synthetic BF16 K/V in qwen2.5-coder-0.5b's attention shape (2 kv / 14 query head
 outside the recent window. Per setting, medians of interleaved runs of
 
 * ``native``: :func:`pask.kv.native_attention.decode_layer` (one call for the batch);
+* ``native_no_amx`` (CPUs with AMX tiles only): the same call with the INT4 tier on AVX-512 FMAs
+  (:func:`pask.kv.native_attention.use_amx`);
 * ``torch_fused``: PyTorch's fused path per sequence (flash for H, int4 GEMMs for INT4);
 * ``sdpa_full``: ``scaled_dot_product_attention`` over all tokens in BF16 (what Full KV runs
   with transformers' SDPA).
@@ -55,6 +57,16 @@ def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats:
         "native": lambda: na.decode_layer(layer, q, D**-0.5),
         "sdpa_full": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     }
+    if na.use_amx(True):  # the same kernel with the INT4 tier on AVX-512 FMAs instead of AMX tiles
+
+        def vector():
+            na.use_amx(False)
+            try:
+                return na.decode_layer(layer, q, D**-0.5)
+            finally:
+                na.use_amx(True)
+
+        fns["native_no_amx"] = vector
     if fastpath.available():
         fns["torch_fused"] = lambda: [fastpath.decode_attention(q[b], layer.seqs[b], D**-0.5) for b in range(batch)]
     ms = median_ms(fns, repeats)
@@ -67,6 +79,7 @@ def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats:
         "ms": {k: round(x, 4) for k, x in ms.items()},
         "native_vs_sdpa": round(ms["sdpa_full"] / ms["native"], 3),
         "native_vs_torch_fused": round(ms["torch_fused"] / ms["native"], 3) if "torch_fused" in ms else None,
+        "amx_vs_no_amx": round(ms["native_no_amx"] / ms["native"], 3) if "native_no_amx" in ms else None,
     }
 
 
@@ -103,16 +116,19 @@ def markdown(r: dict) -> str:
         f"{r.get('torch_cpu_capability')}). PyTorch fused: `-` where its int4 GEMM is not available.",
         "",
         "| batch | context | mix (H/L/R) | B | SDPA full ms | PyTorch fused ms | native ms | native vs SDPA | "
-        "native vs PyTorch fused |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "native vs PyTorch fused | native without AMX ms | AMX speed-up |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in r["attention"]:
         m = c["ms"]
         fused = f"{m['torch_fused']:.3f}" if "torch_fused" in m else "-"
         vs_fused = f"{c['native_vs_torch_fused']:.2f}x" if c["native_vs_torch_fused"] else "-"
+        no_amx = f"{m['native_no_amx']:.3f}" if "native_no_amx" in m else "-"
+        amx = f"{c['amx_vs_no_amx']:.2f}x" if c.get("amx_vs_no_amx") else "-"
         lines.append(
             f"| {c['batch']} | {c['context']} | {'/'.join(f'{x:g}' for x in c['mix'])} | {c['b_measured']:.3f} | "
-            f"{m['sdpa_full']:.3f} | {fused} | {m['native']:.3f} | {c['native_vs_sdpa']:.2f}x | {vs_fused} |"
+            f"{m['sdpa_full']:.3f} | {fused} | {m['native']:.3f} | {c['native_vs_sdpa']:.2f}x | {vs_fused} | "
+            f"{no_amx} | {amx} |"
         )
     mv = r["move"]
     lines += [
