@@ -11,13 +11,21 @@
 // each with its own accumulator chain (fewer rows get more partial sums per row, so that 8
 // independent FMA chains hide the FMA latency), over slices of the reduction that keep x in L1.
 #include <omp.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -89,13 +97,247 @@ void rows(int mt, const float* x, int64_t ldx, int64_t K, const uint16_t* w, flo
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PASK_GEMV_BF16 1
+// ---- CPUs with AVX512-BF16: bf16 x bf16 dot products (exact products, fp32 sums), bf16 in and out --
+// Two weight rows x up to 8 input rows per pass over the reduction: 16 accumulators, summed
+// across lanes together at the end (lane i of the result = sum of accumulator i).
+inline __m512 lane_sums(__m512* v) {
+  __m512 r[8], s[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    r[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    __m512d a = _mm512_castps_pd(r[2 * k]), b = _mm512_castps_pd(r[2 * k + 1]);
+    s[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int k = 0; k < 2; ++k)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// y[m][n], y[m][n + 1] for MT rows of x: accumulators 0..7 = (row n, x row m), 8..15 = (n + 1, m)
+template <int MT>
+inline void pair_dot(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1, float* sums) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + k), b = (__m512bh)_mm512_loadu_si512(w1 + k);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      acc[m] = _mm512_dpbf16_ps(acc[m], xv, a);
+      acc[8 + m] = _mm512_dpbf16_ps(acc[8 + m], xv, b);
+    }
+  }
+  if (k < K) {  // K % 8 == 0: a masked tail of 8, 16 or 24 values
+    const __mmask32 t = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(t, w0 + k), b = (__m512bh)_mm512_maskz_loadu_epi16(t, w1 + k);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(t, x + m * K + k);
+      acc[m] = _mm512_dpbf16_ps(acc[m], xv, a);
+      acc[8 + m] = _mm512_dpbf16_ps(acc[8 + m], xv, b);
+    }
+  }
+  _mm512_storeu_ps(sums, lane_sums(acc));
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>((u >> 16) | ((u & 0xFFFF) ? 0x40 : 0));
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf2f16(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Rows [n0, n1) of y by pairs of weight rows (the path without tiles, and the tail of the tile path).
+void pair_rows_range(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint16_t* x, const uint16_t* w,
+                     const uint16_t* bias, uint16_t* y) {
+  for (int64_t n = n0; n < n1; n += 2) {
+    const bool two = n + 1 < n1;
+    const uint16_t* w0 = w + n * K;
+    const uint16_t* w1 = two ? w0 + K : w0;
+    const float b0 = bias ? bf2f16(bias[n]) : 0.0f, b1 = bias && two ? bf2f16(bias[n + 1]) : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
+      const int mt = static_cast<int>(std::min<int64_t>(MAXM, M - m0));
+      alignas(64) float sums[16];
+      const uint16_t* xm = x + m0 * K;
+      switch (mt) {
+        case 1: pair_dot<1>(xm, K, w0, w1, sums); break;
+        case 2: pair_dot<2>(xm, K, w0, w1, sums); break;
+        case 3: pair_dot<3>(xm, K, w0, w1, sums); break;
+        case 4: pair_dot<4>(xm, K, w0, w1, sums); break;
+        case 5: pair_dot<5>(xm, K, w0, w1, sums); break;
+        case 6: pair_dot<6>(xm, K, w0, w1, sums); break;
+        case 7: pair_dot<7>(xm, K, w0, w1, sums); break;
+        default: pair_dot<8>(xm, K, w0, w1, sums); break;
+      }
+      for (int m = 0; m < mt; ++m) {
+        y[(m0 + m) * N + n] = f2bf(sums[m] + b0);
+        if (two) y[(m0 + m) * N + n + 1] = f2bf(sums[8 + m] + b1);
+      }
+    }
+  }
+}
+#endif
+
+#if defined(PASK_GEMV_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PASK_GEMV_AMX 1
+// ---- AMX tiles (Sapphire Rapids and later): y^T = W x^T, 16 weight rows per tile -------------
+// A = 16 weight rows x 32 values, read in place (row stride K); B = x^T for the same 32 values as
+// VNNI pairs (16 rows of M pairs, packed once per call); C = 16 weight rows x M fp32.
+bool amx_granted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Weight rows [n0, n1) (n1 - n0 a multiple of 16) with tiles: 0 = B, 1..3 = A, 4..7 = C.
+void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint32_t* xt, const uint16_t* w,
+               const uint16_t* bias, uint16_t* y) {
+  TileConfig cfg;
+  cfg.rows[0] = 16, cfg.colsb[0] = static_cast<uint16_t>(M * 4);
+  for (int i = 1; i < 4; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  for (int i = 4; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = static_cast<uint16_t>(M * 4);
+  _tile_loadconfig(&cfg);
+  const int64_t ldw = K * 2, ldx = M * 4;
+  alignas(64) float c[4][16][16];
+  for (int64_t n = n0; n < n1; n += 64) {
+    const int nb = static_cast<int>(std::min<int64_t>(4, (n1 - n) / 16));
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const uint16_t* wn = w + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      if (k + 512 < K)  // the rows' lines 8 chunks ahead: 16 nb streams at once outrun the prefetchers
+        for (int r = 0; r < 16 * nb; ++r) _mm_prefetch(reinterpret_cast<const char*>(wn + r * K + k + 512), _MM_HINT_T0);
+      _tile_loadd(0, xt + (k / 2) * M, ldx);
+      _tile_loadd(1, wn + k, ldw);
+      _tile_dpbf16ps(4, 1, 0);
+      if (nb > 1) {
+        _tile_loadd(2, wn + 16 * K + k, ldw);
+        _tile_dpbf16ps(5, 2, 0);
+      }
+      if (nb > 2) {
+        _tile_loadd(3, wn + 32 * K + k, ldw);
+        _tile_dpbf16ps(6, 3, 0);
+      }
+      if (nb > 3) {
+        _tile_loadd(1, wn + 48 * K + k, ldw);
+        _tile_dpbf16ps(7, 1, 0);
+      }
+    }
+    _tile_stored(4, c[0], 64);
+    if (nb > 1) _tile_stored(5, c[1], 64);
+    if (nb > 2) _tile_stored(6, c[2], 64);
+    if (nb > 3) _tile_stored(7, c[3], 64);
+    for (int b = 0; b < nb; ++b)
+      for (int r = 0; r < 16; ++r) {
+        const int64_t col = n + 16 * b + r;
+        const float bv = bias ? bf2f16(bias[col]) : 0.0f;
+        for (int64_t m = 0; m < M; ++m) y[m * N + col] = f2bf(c[b][r][m] + bv);
+      }
+  }
+  _tile_release();
+}
+#endif
+
 }  // namespace
+
+#if defined(PASK_GEMV_AMX)
+std::atomic<int> amx_wanted{[] {
+  const char* e = std::getenv("PASK_AMX");
+  return e != nullptr && e[0] == '0' ? 0 : 1;
+}()};
+bool gemv_amx_wanted() { return amx_wanted.load(std::memory_order_relaxed) != 0; }
+#endif
 
 extern "C" {
 
+// Turns the AMX path of pask_linear_bf16_io on or off; returns whether it is on now.
+int pask_gemv_use_amx(int want) {
+#if defined(PASK_GEMV_AMX)
+  amx_wanted.store(want != 0 ? 1 : 0);
+  return want != 0 && amx_granted() ? 1 : 0;
+#else
+  (void)want;
+  return 0;
+#endif
+}
+
+// Whether pask_linear_bf16_io runs (CPUs with AVX512-BF16): 1, else 0.
+int pask_gemv_has_bf16_io() {
+#if defined(PASK_GEMV_BF16)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// y = x W^T + b, all bf16 (x [M, K], W [N, K], b [N] or null, y [M, N]); products exact in fp32,
+// sums in fp32, y rounded to nearest even once. Returns 0, or -1 (unsupported shape, or no
+// AVX512-BF16 build: nothing written).
+int pask_linear_bf16_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                        uint16_t* y, int nthreads) {
+#if defined(PASK_GEMV_BF16)
+  if (M <= 0 || K <= 0 || N <= 0 || K % 8 != 0) return -1;
+  const int nt = nthreads > 0 ? nthreads : 1;
+#if defined(PASK_GEMV_AMX)
+  if (M <= 16 && K % 32 == 0 && N >= 16 && gemv_amx_wanted() && amx_granted()) {
+    // x^T as VNNI pairs: xt[p][m] = (x[m][2p], x[m][2p + 1]) for every pair p of the K values
+    std::vector<uint32_t> xt(static_cast<size_t>(K / 2) * M);
+    const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t p = 0; p < K / 2; ++p) xt[p * M + m] = x32[m * (K / 2) + p];
+    const int64_t blocks = N / 16, tail = blocks * 16;
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;  // contiguous weight rows per thread
+      if (b1 > b0) tile_rows(M, K, N, 16 * b0, 16 * b1, xt.data(), w, bias, y);
+    }
+    if (tail < N) pair_rows_range(M, K, N, tail, N, x, w, bias, y);
+    return 0;
+  }
+#endif
+  const int64_t pairs = (N + 1) / 2;
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    const int64_t p0 = pairs * t / T, p1 = pairs * (t + 1) / T;
+    if (p1 > p0) pair_rows_range(M, K, N, 2 * p0, std::min(N, 2 * p1), x, w, bias, y);
+  }
+  return 0;
+#else
+  (void)M, (void)K, (void)N, (void)x, (void)w, (void)bias, (void)y, (void)nthreads;
+  return -1;
+#endif
+}
+
 // The instruction set the kernel was compiled for.
 const char* pask_gemv_isa() {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PASK_GEMV_AMX)
+  return amx_granted() && gemv_amx_wanted() ? "avx512bf16+amx" : "avx512bf16";
+#elif defined(PASK_GEMV_BF16)
+  return "avx512bf16";
+#elif defined(__AVX2__) && defined(__FMA__)
   return "avx2";
 #else
   return "portable";

@@ -1,4 +1,4 @@
-"""Native BF16-weight linear for decode steps (a few input rows) on CPUs without BF16 arithmetic.
+"""Native BF16-weight linear for decode steps (a few input rows).
 
 ``native_gemv.cpp`` computes ``x W^T + b`` reading the bf16 weight in place, widening it to fp32
 exactly and accumulating in fp32: the fp32 product of the ``fp32`` / ``fp32-weights`` modes of
@@ -6,6 +6,12 @@ exactly and accumulating in fp32: the fp32 product of the ``fp32`` / ``fp32-weig
 PyTorch's slow bf16 GEMV. Built by :mod:`pask.native` on first use; a start-up probe compares it
 with ``F.linear`` in fp32 on random shapes. Without a compiler, if the probe fails, or with
 ``PASK_NATIVE=0``, :func:`available` is False and callers keep their PyTorch path.
+
+On CPUs with AVX512-BF16, :func:`linear_bf16` takes bf16 in and out (what a bf16 GEMM computes:
+exact products, fp32 sums, one rounding) for :func:`pask.bf16_matmul.apply_gemv`: AMX tiles where
+the CPU and OS allow (``A`` = 16 weight rows read in place, ``B`` = the input's transpose as bf16
+pairs packed once per call; :func:`use_amx`, ``PASK_AMX=0``), else dot products over two weight
+rows and up to 8 input rows at a time.
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ def _probe() -> str:
     f.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     f.restype = ctypes.c_int
     lib.pask_gemv_isa.restype = ctypes.c_char_p
+    g = lib.pask_linear_bf16_io
+    g.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    g.restype = ctypes.c_int
+    lib.pask_gemv_use_amx.argtypes = [ctypes.c_int]
+    lib.pask_gemv_use_amx.restype = ctypes.c_int
     _LIB = lib
     gen = torch.Generator().manual_seed(0)
     for m, k, n, bias in ((1, 64, 40, False), (3, 136, 17, True), (8, 256, 33, True), (11, 64, 5, False)):
@@ -51,6 +62,16 @@ def _probe() -> str:
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
             _LIB = None
             return f"probe mismatch (max abs error {float((got - want).abs().max()):.2e})"
+    if lib.pask_gemv_has_bf16_io():  # bf16 in / out: one rounding of the fp32 sum (AMX tiles, dot products)
+        for m, k, n, bias in ((1, 64, 40, False), (8, 896, 48, True), (16, 96, 33, True), (5, 40, 17, False)):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+            b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+            want = F.linear(x.float(), w.float(), None if b is None else b.float())
+            got = linear_bf16(x, w, b).float()
+            if not torch.allclose(got, want, rtol=2**-7, atol=1e-3):
+                _LIB = None
+                return f"probe mismatch, bf16 path (max abs error {float((got - want).abs().max()):.2e})"
     return "ok"
 
 
@@ -71,7 +92,7 @@ def status() -> str:
 
 
 def isa() -> str | None:
-    """The instruction set the kernel was built for (``avx2`` or ``portable``), or None."""
+    """The instruction set the kernel runs (``avx512bf16+amx``, ``avx512bf16``, ``avx2``, ``portable``), or None."""
     return _LIB.pask_gemv_isa().decode() if available() and _LIB is not None else None
 
 
@@ -116,3 +137,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _LIB is None and not available():
         raise RuntimeError(f"pask native gemv is {status()}")
     return _call(x, weight, bias)
+
+
+def has_bf16_io() -> bool:
+    """Whether :func:`linear_bf16` runs here (the kernel built with AVX512-BF16 dot products)."""
+    return available() and _LIB is not None and bool(_LIB.pask_gemv_has_bf16_io())
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on bf16 ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> bf16 ``[..., N]`` with
+    AVX512-BF16 dot products: exact products, fp32 sums, one rounding (what a bf16 GEMM computes, up
+    to summation order). Callers check :func:`applies` and :func:`has_bf16_io` first."""
+    k, n = weight.shape[1], weight.shape[0]
+    xb = x.reshape(-1, k).contiguous()
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
+    rc = _LIB.pask_linear_bf16_io(
+        xb.shape[0], k, n, xb.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native bf16 gemv rejected the shape ({xb.shape[0]} x {k} x {n})")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def use_amx(on: bool) -> bool:
+    """Turn the AMX tiles of :func:`linear_bf16` on or off (on by default where the CPU and OS allow;
+    ``PASK_AMX=0`` starts with them off); returns whether they are on now."""
+    return has_bf16_io() and bool(_LIB.pask_gemv_use_amx(int(on)))

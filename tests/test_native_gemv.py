@@ -81,3 +81,59 @@ def test_disabled_by_environment_and_missing_compiler(monkeypatch, tmp_path):
         assert not ng.available()
     with pytest.raises(RuntimeError, match="unavailable"):
         ng.linear(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, ng.MAX_ROWS),
+    k8=st.integers(1, 80),
+    n=st.integers(1, 90),
+    bias=st.booleans(),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    amx=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_io_rounds_the_fp32_sum_once(m, k8, n, bias, scale, amx, seed):
+    """bf16 in / out (CPUs with AVX512-BF16), tiles on or off: the fp32 product of the bf16 values,
+    rounded once to bf16 (summation order aside); K % 32 and N % 16 tails take the dot-product path."""
+    if not ng.has_bf16_io():
+        pytest.skip("no AVX512-BF16 gemv here")
+    gen = torch.Generator().manual_seed(seed)
+    k = 8 * k8
+    x = (torch.randn(m, 1, k, generator=gen) * scale).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    ng.use_amx(amx)
+    try:
+        got = ng.linear_bf16(x, w, b)
+    finally:
+        ng.use_amx(True)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, 1, n)
+    sums = (x.float().abs() @ w.float().abs().T).amax() * 1e-5 + 1e-6  # summation order
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + sums).all()  # + one bf16 rounding
+
+
+def test_bf16_io_decode_step_routing(gemv, monkeypatch):
+    """apply_gemv: decode-sized bf16 inputs take the native kernel, prefills PyTorch's linear;
+    'native' mode and CPUs without BF16 arithmetic change nothing."""
+    from pask import bf16_matmul
+
+    if not ng.has_bf16_io():
+        pytest.skip("no AVX512-BF16 gemv here")
+    lin = torch.nn.Linear(64, 48).bfloat16()
+    model = torch.nn.Sequential(lin)
+    assert bf16_matmul.apply_gemv(model, "native") == 0
+    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: False)
+    assert bf16_matmul.apply_gemv(model, "auto") == 0
+    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: True)
+    assert bf16_matmul.apply_gemv(model, "auto") == 1
+    calls = []
+    real = ng.linear_bf16
+    monkeypatch.setattr(ng, "linear_bf16", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(3, 1, 64).bfloat16()
+    torch.testing.assert_close(
+        lin(x).float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()), rtol=2**-7, atol=1e-3
+    )
+    lin(torch.randn(2, 40, 64).bfloat16())  # 80 rows: a prefill
+    assert calls == [(3, 1, 64)]
