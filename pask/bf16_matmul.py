@@ -11,7 +11,7 @@ also accumulates in), at the price of upcasting the weight per call. Decode step
 keep the native bf16 GEMV, which is cheaper than upcasting the weight there.
 
 ``PASK_BF16_MATMUL`` selects the mode: ``auto`` (default: fp32 compute only where the CPU lacks
-BF16 instructions), ``fp32`` (always), ``native`` (never) or ``fp32-weights``: every bf16 linear
+BF16 instructions), ``fp32`` (always), ``native`` (never), ``gemv`` (below) or ``fp32-weights``: every bf16 linear
 also keeps an fp32 copy of its weight (3x the weight memory: bf16 + fp32) and uses it for every
 input, decode steps included (faster decode GEMVs where bf16 ones are slow: on the AVX2 machine a
 batch-16 decode step of qwen2.5-coder-0.5b takes 644 ms against 1044 ms native, batch 8 458 vs
@@ -21,9 +21,9 @@ In every mode but ``native``, inputs of at most :data:`pask.native_gemv.MAX_ROWS
 steps) go to the native bf16-weight kernel of :mod:`pask.native_gemv` where it is available: the
 same fp32 product (up to summation order) reading the bf16 weight in place, several times faster
 than both PyTorch GEMVs on that machine because a decode step is bound by reading the weights.
-On CPUs with BF16 arithmetic, ``auto`` mode keeps PyTorch's bf16 GEMM for prefills and sends
-decode-sized inputs to the native bf16 GEMV instead (:func:`apply_gemv`; AVX512-BF16 dot products
-or AMX tiles, the bf16 GEMM's arithmetic); ``native`` keeps PyTorch's linear everywhere.
+``gemv`` (CPUs with BF16 arithmetic, opt-in): PyTorch's bf16 GEMM for prefills and the native
+bf16 GEMV for decode-sized inputs (:func:`apply_gemv`; AVX512-BF16 dot products or AMX tiles, the
+bf16 GEMM's arithmetic up to summation order).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pask import native_gemv
 from pask.errors import PaskError
 
 MIN_ROWS = 32  # rows of input from which the fp32 product is faster than the native bf16 GEMM
-MODES = ("auto", "fp32", "fp32-weights", "native")
+MODES = ("auto", "fp32", "fp32-weights", "native", "gemv")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -91,23 +91,24 @@ def _bf16_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_gemv(model: torch.nn.Module, how: str | None = None) -> int:
-    """On CPUs with BF16 arithmetic (``auto`` mode), route the decode-sized inputs of the bf16
-    ``nn.Linear`` layers to the native bf16 GEMV where it is built (AVX512-BF16): at a few rows a
-    layer is bound by reading its weight, which PyTorch's GEMM does at ~11-12 GB/s on the AMX
-    machine against ~15-20 GB/s for the native kernel. Returns the number of layers changed (0 in
-    other modes, on other CPUs, without the kernel, or for a layer :func:`apply` already changed).
+    """In ``gemv`` mode on a CPU with BF16 arithmetic, route the decode-sized inputs of the bf16
+    ``nn.Linear`` layers to the native bf16 GEMV (AVX512-BF16; AMX tiles where allowed). Returns the
+    number of layers changed (0 in other modes, on other CPUs or without the kernel).
+
+    Opt-in: measured on the AVX-512 + AMX machine, a batch-8 decode step of qwen2.5-coder-0.5b in
+    the main thread takes 88.8 ms with it against 108.6 ms with PyTorch's GEMM (64 cached tokens;
+    157 vs 180 ms at 8k), but inside the server's decode thread it was 4-10 % slower in three paired
+    runs (more time in context switches; not explained), and it changes decode numerics by summation
+    order against the committed cells (PyTorch's GEMM gave identical outputs in spot checks).
     """
     how = mode() if how is None else how
     if how not in MODES:
         raise PaskError(f"bf16 matmul mode must be one of {', '.join(MODES)}, got {how!r}")
-    if how != "auto" or not cpu_has_bf16() or not native_gemv.has_bf16_io():
+    if how != "gemv" or not cpu_has_bf16() or not native_gemv.has_bf16_io():
         return 0
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu":
-            fwd = mod.__dict__.get("forward")
-            if fwd is not None and getattr(fwd, "__func__", None) is _fp32_forward:
-                continue
             mod.forward = types.MethodType(_bf16_forward, mod)
             n += 1
     return n
@@ -122,7 +123,7 @@ def apply(model: torch.nn.Module, how: str | None = None) -> int:
     how = mode() if how is None else how
     if how not in MODES:
         raise PaskError(f"bf16 matmul mode must be one of {', '.join(MODES)}, got {how!r}")
-    if how == "native" or (how == "auto" and cpu_has_bf16()):
+    if how in ("native", "gemv") or (how == "auto" and cpu_has_bf16()):
         return 0
     n = 0
     for mod in model.modules():

@@ -261,7 +261,7 @@ def load_model(
     from pask import bf16_matmul
 
     model.pask_fp32_linears = bf16_matmul.apply(model)  # fp32 products on CPUs without BF16 arithmetic
-    model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(model)  # decode GEMVs on CPUs with it
+    model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(model)  # native decode GEMVs (opt-in: gemv mode)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.pask_load_seconds = time.perf_counter() - t0

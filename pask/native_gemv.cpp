@@ -208,14 +208,18 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Weight rows [n0, n1) (n1 - n0 a multiple of 16) with tiles: 0 = B, 1..3 = A, 4..7 = C.
-void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint32_t* xt, const uint16_t* w,
-               const uint16_t* bias, uint16_t* y) {
+// Tiles: 0 = B (16 rows of M pairs), 1..3 = A (16 weight rows x 32 values), 4..7 = C (16 x M fp32).
+void tile_config(int64_t M) {
   TileConfig cfg;
   cfg.rows[0] = 16, cfg.colsb[0] = static_cast<uint16_t>(M * 4);
   for (int i = 1; i < 4; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
   for (int i = 4; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = static_cast<uint16_t>(M * 4);
   _tile_loadconfig(&cfg);
+}
+
+// Weight rows [n0, n1) (n1 - n0 a multiple of 16), tile config loaded.
+void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint32_t* xt, const uint16_t* w,
+               const uint16_t* bias, uint16_t* y) {
   const int64_t ldw = K * 2, ldx = M * 4;
   alignas(64) float c[4][16][16];
   for (int64_t n = n0; n < n1; n += 64) {
@@ -255,7 +259,6 @@ void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const ui
         for (int64_t m = 0; m < M; ++m) y[m * N + col] = f2bf(c[b][r][m] + bv);
       }
   }
-  _tile_release();
 }
 #endif
 
@@ -302,28 +305,31 @@ int pask_linear_bf16_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, cons
 #if defined(PASK_GEMV_AMX)
   if (M <= 16 && K % 32 == 0 && N >= 16 && gemv_amx_wanted() && amx_granted()) {
     // x^T as VNNI pairs: xt[p][m] = (x[m][2p], x[m][2p + 1]) for every pair p of the K values
-    std::vector<uint32_t> xt(static_cast<size_t>(K / 2) * M);
+    // (the caller's buffer, kept across calls: no allocation per layer; the team reads it by pointer)
+    thread_local std::vector<uint32_t> buf;
+    buf.resize(static_cast<size_t>(K / 2) * M);
+    uint32_t* xt = buf.data();
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t p = 0; p < K / 2; ++p) xt[p * M + m] = x32[m * (K / 2) + p];
-    const int64_t blocks = N / 16, tail = blocks * 16;
+    // chunks of 64 weight rows, handed out dynamically: a thread that loses its core for a while
+    // (the server's own threads share it) does not hold the whole layer back
+    const int64_t blocks = N / 16, tail = blocks * 16, chunks = (blocks + 3) / 4;
 #pragma omp parallel num_threads(nt)
     {
-      const int t = omp_get_thread_num(), T = omp_get_num_threads();
-      const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;  // contiguous weight rows per thread
-      if (b1 > b0) tile_rows(M, K, N, 16 * b0, 16 * b1, xt.data(), w, bias, y);
+      tile_config(M);
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t c = 0; c < chunks; ++c)
+        tile_rows(M, K, N, 64 * c, std::min(tail, 64 * (c + 1)), xt, w, bias, y);
+      _tile_release();
     }
     if (tail < N) pair_rows_range(M, K, N, tail, N, x, w, bias, y);
     return 0;
   }
 #endif
-  const int64_t pairs = (N + 1) / 2;
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int64_t p0 = pairs * t / T, p1 = pairs * (t + 1) / T;
-    if (p1 > p0) pair_rows_range(M, K, N, 2 * p0, std::min(N, 2 * p1), x, w, bias, y);
-  }
+  const int64_t chunks = (N + 63) / 64;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+  for (int64_t c = 0; c < chunks; ++c) pair_rows_range(M, K, N, 64 * c, std::min(N, 64 * (c + 1)), x, w, bias, y);
   return 0;
 #else
   (void)M, (void)K, (void)N, (void)x, (void)w, (void)bias, (void)y, (void)nthreads;

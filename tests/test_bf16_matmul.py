@@ -81,7 +81,7 @@ def test_mode_comes_from_the_environment_and_bad_values_are_clear_errors(monkeyp
     monkeypatch.delenv("PASK_BF16_MATMUL")
     assert bf16_matmul.mode() == "auto"
     monkeypatch.setenv("PASK_BF16_MATMUL", "fast")
-    with pytest.raises(PaskError, match="PASK_BF16_MATMUL must be one of auto, fp32, fp32-weights, native"):
+    with pytest.raises(PaskError, match="PASK_BF16_MATMUL must be one of auto, fp32, fp32-weights, native, gemv"):
         bf16_matmul.mode()
     with pytest.raises(PaskError, match="mode must be one of"):
         bf16_matmul.apply(_mlp(), "fast")

@@ -115,8 +115,8 @@ def test_bf16_io_rounds_the_fp32_sum_once(m, k8, n, bias, scale, amx, seed):
 
 
 def test_bf16_io_decode_step_routing(gemv, monkeypatch):
-    """apply_gemv: decode-sized bf16 inputs take the native kernel, prefills PyTorch's linear;
-    'native' mode and CPUs without BF16 arithmetic change nothing."""
+    """apply_gemv ('gemv' mode): decode-sized bf16 inputs take the native kernel, prefills PyTorch's
+    linear; other modes and CPUs without BF16 arithmetic change nothing."""
     from pask import bf16_matmul
 
     if not ng.has_bf16_io():
@@ -124,10 +124,12 @@ def test_bf16_io_decode_step_routing(gemv, monkeypatch):
     lin = torch.nn.Linear(64, 48).bfloat16()
     model = torch.nn.Sequential(lin)
     assert bf16_matmul.apply_gemv(model, "native") == 0
-    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: False)
     assert bf16_matmul.apply_gemv(model, "auto") == 0
+    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: False)
+    assert bf16_matmul.apply_gemv(model, "gemv") == 0
     monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: True)
-    assert bf16_matmul.apply_gemv(model, "auto") == 1
+    assert bf16_matmul.apply(model, "gemv") == 0  # no fp32 products in this mode
+    assert bf16_matmul.apply_gemv(model, "gemv") == 1
     calls = []
     real = ng.linear_bf16
     monkeypatch.setattr(ng, "linear_bf16", lambda *a: calls.append(a[0].shape) or real(*a))
