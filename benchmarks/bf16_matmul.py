@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/bf16_matmul.py [--model qwen2.5-coder-0.5b] [--prompt 512] [--threads 2]
 
-Loads the model in bf16 once per mode (``PASK_BF16_MATMUL=native``, ``fp32`` and
-``fp32-weights``, the last also with the native gemv of :mod:`pask.native_gemv` switched off, i.e.
+Loads the model in bf16 once per mode (``PASK_BF16_MATMUL=native``, ``fp32``, ``fp32-weights`` and,
+on CPUs with AVX512-BF16, ``gemv``; ``fp32-weights`` also with the native gemv of
+:mod:`pask.native_gemv` switched off, i.e.
 PyTorch's GEMV on the fp32 weight copy for decode steps) and times, interleaved, a prefill of
 ``--prompt`` tokens (batch 1) and decode steps at each of ``--batches`` over ``--context`` cached
 tokens; also the largest logit difference of the prefill against the native mode and whether the
@@ -68,11 +69,14 @@ def main() -> None:
     step = torch.randint(100, 20000, (max(batches), 1), generator=gen)
     models = {}
     modes = {"native": "native", "fp32": "fp32", "fp32-weights": "fp32-weights", "fp32-weights-torch": "fp32-weights"}
+    if bf16_matmul.cpu_has_bf16() and native_gemv.has_bf16_io():
+        modes["gemv"] = "gemv"
     for name, how in modes.items():
         lm = load_model(args.model, dtype=torch.bfloat16)
         for mod in lm.model.modules():  # load_model applied the auto mode: start from native
             mod.__dict__.pop("forward", None)
         bf16_matmul.apply(lm.model, how)
+        bf16_matmul.apply_gemv(lm.model, how)
         models[name] = lm.model
     rows, logits = {}, {}
     with torch.inference_mode():
@@ -118,9 +122,10 @@ def main() -> None:
     n = res["native"]
     names = {
         "native": "native bf16",
-        "fp32": "fp32 products (`auto` here), native gemv",
+        "fp32": f"fp32 products (`fp32`{'' if out['cpu_bf16'] else ', `auto` here'}), native gemv",
         "fp32-weights": "fp32 weight copy, native gemv",
         "fp32-weights-torch": "fp32 weight copy, PyTorch GEMV",
+        "gemv": "native bf16 GEMMs, bf16 GEMV for decode steps (`gemv`)",
     }
     head = f"| mode | prefill of {args.prompt} tokens (s) | " + " | ".join(
         f"decode step, batch {b} (ms)" for b in batches
@@ -149,7 +154,8 @@ def main() -> None:
         f"(`pask/native_gemv.cpp`, status: {out['native_gemv']}) in `fp32` and `fp32-weights`; "
         "`fp32-weights` keeps an fp32 copy of every linear weight (3x the weight memory) for the other "
         "inputs; the `PyTorch GEMV` row switches the native gemv off, so its decode steps use the fp32 "
-        "copy (the mode before the native gemv).",
+        "copy (the mode before the native gemv). `gemv` (CPUs with AVX512-BF16): PyTorch's bf16 GEMM "
+        f"for prefills, the native bf16-in/out GEMV ({native_gemv.isa()}) for decode steps.",
     ]
     (OUT / "bf16_matmul.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

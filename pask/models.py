@@ -12,13 +12,18 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from pask.errors import PaskError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -242,12 +247,44 @@ def _fingerprint(model: torch.nn.Module, path: str | None) -> str:
     return f"{arch}:{wh}"
 
 
+def in_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a thread that ends with it (its exception re-raised here).
+
+    OpenMP (PyTorch's and pask's native kernels share one libgomp) keeps a pool of worker threads
+    for each thread that starts parallel regions, and once its pools hold more threads than the
+    CPU has cores, libgomp stops spin-waiting between regions: every region then wakes its workers
+    from sleep. A pool left behind by loading a model in the main thread made decode steps in a
+    second thread 14 % slower (``python benchmarks/decode_thread.py``; the server decodes in its
+    own thread, though ``pask bench serve`` runs showed no such difference). A thread that ends
+    takes its pool with it.
+    """
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="pask-load")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.bfloat16,
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
-    """Load a model and tokenizer by embedded name, local directory or hub id."""
+    """Load a model and tokenizer by embedded name, local directory or hub id (in its own thread:
+    see :func:`in_own_thread`)."""
+    return in_own_thread(lambda: _load_model(name_or_path, dtype, attn_implementation))
+
+
+def _load_model(name_or_path: str, dtype: torch.dtype, attn_implementation: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, display = resolve_model_dir(name_or_path)

@@ -1,0 +1,113 @@
+"""A decode step in the main thread vs in another thread, with and without an OpenMP pool left in the main thread.
+
+    .venv/bin/python benchmarks/decode_thread.py [--model qwen2.5-coder-0.5b] [--batch 8] [--context 8192] [--threads 2]
+
+The server decodes in its own thread (``pask/serving/worker.py``). OpenMP keeps a pool of worker
+threads per thread that starts parallel regions; when the pools hold more threads than the CPU
+has cores, libgomp stops spin-waiting between regions. This benchmark fills a tiered cache with
+random K/V (every token BF16, the Full KV case) and times decode steps (medians, interleaved):
+
+* ``main``: in the main thread;
+* ``thread``: in a second thread, the main thread holding no pool (``load_model`` loads in a
+  thread of its own, :func:`pask.models.in_own_thread`);
+* ``thread, pool in main``: the same after the main thread ran one parallel region (what loading
+  the model in the main thread used to leave behind).
+
+Writes ``benchmarks/results/decode_thread.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from pask.kv.attention import enable_pask_attention
+from pask.kv.cache import CacheConfig, TieredCache
+from pask.models import load_model
+
+OUT = Path(__file__).resolve().parent / "results" / "decode_thread"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=10, help="steps per setting and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    m, cfg = lm.model, lm.model.config
+    enable_pask_attention(m)
+    b, n = args.batch, args.context
+    d = cfg.hidden_size // cfg.num_attention_heads
+
+    def build() -> TieredCache:
+        cache = TieredCache(cfg, CacheConfig(headroom=args.steps * args.rounds * 3 + 8), b)
+        gen = torch.Generator().manual_seed(0)
+        for layer in range(cfg.num_hidden_layers):
+            k = torch.randn(b, cfg.num_key_value_heads, n, d, generator=gen).to(torch.bfloat16)
+            cache.update(k, k, layer)
+        return cache
+
+    cache = in_thread(build)
+    times: dict[str, list[float]] = {"main": [], "thread": [], "thread, pool in main": []}
+    pos = [n]
+
+    def steps(key: str) -> None:
+        with torch.inference_mode():
+            for _ in range(args.steps):
+                ids = torch.randint(0, 1000, (b, 1))
+                t = time.perf_counter()
+                m(input_ids=ids, position_ids=torch.full((b, 1), pos[0]), cache=cache, use_cache=True)
+                times[key].append(time.perf_counter() - t)
+                pos[0] += 1
+
+    for _ in range(args.rounds):  # no pool in the main thread yet: thread first, then main (creates it)
+        in_thread(lambda: steps("thread"))
+    for _ in range(args.rounds):
+        steps("main")
+        in_thread(lambda: steps("thread, pool in main"))
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    command = "python benchmarks/decode_thread.py " + shlex.join(sys.argv[1:])
+    result = {"command": command, "model": lm.name, "batch": b, "context": n, "threads": args.threads, "step_ms": ms}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        "# Decode step: main thread vs another thread (OpenMP pools)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"{lm.name}, bf16, batch {b}, {n} cached tokens (random K/V, every token BF16), {args.threads} threads, "
+        f"medians of {args.steps * args.rounds} steps per row.",
+        "",
+        "| where the step runs | step ms | x main |",
+        "|---|---:|---:|",
+    ]
+    for k, v in ms.items():
+        lines.append(f"| {k} | {v:.1f} | {ms['main'] / v:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    OUT.with_suffix(".md").write_text(text)
+    print(text)
+
+
+def in_thread(fn):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("v", fn()))
+    t.start()
+    t.join()
+    return box.get("v")
+
+
+if __name__ == "__main__":
+    main()
