@@ -324,12 +324,13 @@ def test_step_statistics_policy_decodes_through_the_kernel(native, monkeypatch):
 @given(
     shape=st.sampled_from([(2, 7, 64), (3, 3, 64), (2, 6, 128), (1, 8, 64), (1, 1, 128), (1, 9, 64)]),
     lengths=st.lists(st.integers(1, 700), min_size=1, max_size=3),
-    mix=st.sampled_from([(0.0, 1.0, 0.0), (0.34, 0.33, 0.33), (0.05, 0.9, 0.05)]),
+    mix=st.sampled_from([(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.34, 0.33, 0.33), (0.05, 0.9, 0.05)]),
     seed=st.integers(0, 2**16),
     key_scale=st.sampled_from([1.0, 30.0]),
 )
 def test_amx_tiles_agree_with_the_vector_kernel(native, shape, lengths, mix, seed, key_scale):
-    """The AMX INT4 path (hi / lo bf16 operands) matches the AVX-512 FMA path to bf16 rounding."""
+    """The AMX paths (BF16 tier: exact products; INT4 tier: hi / lo bf16 operands) match the AVX-512
+    paths to bf16 rounding, weights included."""
     if not na.use_amx(True):
         pytest.skip("no AMX tiles here")
     hkv, grp, d = shape
@@ -347,7 +348,7 @@ def test_amx_tiles_agree_with_the_vector_kernel(native, shape, lengths, mix, see
     scale = max(1.0, float(want.abs().max()))
     err_tiles = float((tiles[:, 0].float() - want).abs().max())
     err_vector = float((vector[:, 0].float() - want).abs().max())
-    assert err_tiles <= max(2 * err_vector, 2**-8 * scale)  # bf16 outputs: a few ulps of the row scale
+    assert err_tiles <= max(2 * err_vector, 2**-7 * scale)  # bf16 outputs: an ulp of the largest one
     assert float((tiles.float() - vector.float()).abs().max()) <= 2**-6 * scale
     assert (tiles != vector).float().mean() < 0.2  # mostly identical after bf16 rounding
     for a, b in zip(tile_probs, vector_probs, strict=True):

@@ -460,14 +460,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void amx_begin(int grp) {  // A and C tiles: 2 grp rows (hi parts over lo parts); B tiles: 16 rows
+// Every tile 64 bytes wide; A (0, 1) and C (4..7) tiles of `rows` rows, B (2, 3) tiles of 16.
+void amx_config(int rows) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = 64;
-    cfg.rows[i] = static_cast<uint8_t>(i == 2 || i == 3 ? 16 : 2 * grp);
+    cfg.rows[i] = static_cast<uint8_t>(i == 2 || i == 3 ? 16 : rows);
   }
   _tile_loadconfig(&cfg);
 }
+
+void amx_begin(int grp) { amx_config(2 * grp); }  // A and C: hi parts over lo parts
 
 // word i -> bf16(i & 15): vpermw reads bits 0..4 of each index word, so a byte whose low nibble is
 // the code indexes it directly (bit 4, the next nibble's, is ignored by the table's repeat).
@@ -870,6 +873,162 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
 }
 
 #if defined(PASK_AMX)
+// One online-softmax step for a whole stream of n slots: S holds grp rows of lp (>= n, a multiple
+// of 16) scores, 64-byte aligned; the running state is rescaled at most once; S becomes the
+// weights (0 from n on); the scores go to the trace first where one is kept.
+void absorb_rows(State& st, float* S, int64_t lp, int64_t n) {
+  const int D = st.D, G = st.G;
+  if (st.trace != nullptr) {
+    for (int r = 0; r < st.grp; ++r) std::copy(S + r * lp, S + r * lp + n, st.trace + r * st.tstride + st.toff);
+    st.toff += n;
+  }
+  for (int r = 0; r < st.grp; ++r) {
+    float* sr = S + r * lp;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < n; t0 += 16)
+      mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, State::tail(static_cast<int>(std::min<int64_t>(16, n - t0)), 0), sr + t0));
+    const float mn = std::max(st.m[r], _mm512_reduce_max_ps(mv));
+    if (mn == -INFINITY) {
+      std::fill(sr, sr + lp, 0.0f);
+      continue;
+    }
+    if (mn > st.m[r]) {
+      const float f = st.m[r] == -INFINITY ? 0.0f : fexp(st.m[r] - mn);
+      st.l[r] *= f;
+      for (int d = 0; d < D; ++d) st.acc[r][d] *= f;
+      for (int d = 0; d < D / 2; ++d) st.even[r][d] *= f;
+      for (int d = 0; d < D / 2; ++d) st.odd[r][d] *= f;
+      for (int k = 0; k < G; ++k) st.zs[r][k] *= f;
+      st.m[r] = mn;
+    }
+    const __m512 m = _mm512_set1_ps(mn);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < lp; t0 += 16) {  // weights past n are 0
+      const __m512 x = _mm512_maskz_mov_ps(State::tail(static_cast<int>(std::min<int64_t>(16, n - t0)), 0),
+                                           fexp16(_mm512_sub_ps(_mm512_load_ps(sr + t0), m)));
+      _mm512_store_ps(sr + t0, x);
+      sum = _mm512_add_ps(sum, x);
+    }
+    st.l[r] += _mm512_reduce_add_ps(sum);
+  }
+}
+
+// A per-task scratch of grp rows x lp floats, 64-byte aligned (kept across calls by the thread).
+float* scratch_rows(int grp, int64_t lp, int which) {
+  thread_local std::vector<float> buf[2];
+  buf[which].resize(static_cast<size_t>(grp * lp) + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf[which].data()) + 63) & ~uintptr_t{63});
+}
+
+// The BF16 tier on AMX tiles, two passes like l_stream_amx: scores C = K (16 slots x 32 dims, read
+// in place) . q^T (bf16 pairs, exact), transposed into grp rows; one softmax step; then the values
+// with A = the weights as hi / lo bf16 rows (2 grp <= MAXR) and B = two slots' values interleaved,
+// accumulated in tiles across the tier. Tiles: 0 / 1 A, 2 / 3 B (or the query's pairs), 4..7 C.
+void h_stream_amx(State& st, const uint16_t* qb, float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp;
+  const uint16_t* K = s.kh + static_cast<int64_t>(h) * s.hcap * D;
+  const uint16_t* V = s.vh + static_cast<int64_t>(h) * s.hcap * D;
+  const int64_t n = s.hn, nb = (n + 63) / 64, lp = nb * 64;
+  // q^T as pairs: qt[c][p][r] = (q[r][32c + 2p], q[r][32c + 2p + 1]) (32-bit words), r < 16
+  alignas(64) uint32_t qt[MAXD / 32][16][16] = {};
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qb);
+  for (int r = 0; r < grp; ++r)
+    for (int c = 0; c < D / 32; ++c)
+      for (int p = 0; p < 16; ++p) qt[c][p][r] = q32[r * (D / 2) + c * 16 + p];
+  float* S = scratch_rows(grp, lp, 1);
+  // the last, partial block: its live rows copied into zeroed buffers (no reads past the tier)
+  const int64_t full = (n / 64) * 64;
+  alignas(64) uint16_t kpad[64 * MAXD], vpad[64 * MAXD];
+  if (full < n) {
+    std::fill(kpad, kpad + 64 * D, uint16_t{0});
+    std::fill(vpad, vpad + 64 * D, uint16_t{0});
+    std::copy(K + full * D, K + n * D, kpad);
+    std::copy(V + full * D, V + n * D, vpad);
+  }
+  auto vrow = [&](int64_t t) { return t < full ? V + t * D : vpad + (t - full) * D; };
+  alignas(64) float cs[64][16];  // C: 64 slots x 16 query rows (grp used)
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16));
+  const __m512 scl = _mm512_set1_ps(scaling);
+  amx_config(16);  // scores: A = 16 slots, C = 16 slots x 16 query rows
+  for (int64_t blk = 0; blk < nb; ++blk) {  // 64 slots at a time (stale / zero slots past n: finite)
+    const uint16_t* kb = blk * 64 < full ? K + blk * 64 * D : kpad;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int c = 0; c < D / 32; ++c) {
+      _tile_loadd(2, qt[c], 64);
+      _tile_loadd(0, kb + 32 * c, D * 2);
+      _tile_loadd(1, kb + 16 * D + 32 * c, D * 2);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_loadd(0, kb + 32 * D + 32 * c, D * 2);
+      _tile_loadd(1, kb + 48 * D + 32 * c, D * 2);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(7, 1, 2);
+    }
+    _tile_stored(4, cs[0], 64);
+    _tile_stored(5, cs[16], 64);
+    _tile_stored(6, cs[32], 64);
+    _tile_stored(7, cs[48], 64);
+    for (int r = 0; r < grp; ++r)  // transpose: row r of 64 slots
+      for (int c = 0; c < 4; ++c) {
+        const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(256 * c + r)), &cs[0][0], 4);
+        _mm512_store_ps(S + r * lp + blk * 64 + 16 * c, _mm512_mul_ps(x, scl));
+      }
+  }
+  absorb_rows(st, S, lp, n);
+  amx_config(2 * grp);  // values: A and C = hi rows over lo rows
+  // values: acc[r][j] += sum_t p[r][t] v[t][j], 16 dims per C tile, 32 slots per A / B tile
+  alignas(64) uint16_t a[MAXR][32];
+  alignas(64) uint16_t b[16][32];
+  alignas(64) float co[MAXR][16];
+  alignas(64) uint16_t il[32];
+  for (int i = 0; i < 16; ++i) il[2 * i] = static_cast<uint16_t>(i), il[2 * i + 1] = static_cast<uint16_t>(32 + i);
+  const __m512i inter = _mm512_load_si512(il);  // words: slot t dim i, slot t + 1 dim i, ...
+  for (int j0 = 0; j0 < D; j0 += 64) {  // up to four 16-dim C tiles at a time
+    const int nj = std::min(4, (D - j0) / 16);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t t0 = 0; t0 < lp; t0 += 32) {
+      for (int r = 0; r < grp; ++r) split_bf16(S + r * lp + t0, a[r], a[grp + r]);
+      _tile_loadd(0, a, 64);
+      for (int jt = 0; jt < nj; ++jt) {
+        const int j = j0 + 16 * jt;
+        for (int p = 0; p < 16; ++p) {  // slots t0 + 2p, t0 + 2p + 1 (past n: zeros, weight 0)
+          const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(vrow(t0 + 2 * p) + j)));
+          const __m512i hi = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(vrow(t0 + 2 * p + 1) + j)));
+          _mm512_store_si512(b[p], _mm512_permutex2var_epi16(lo, inter, hi));
+        }
+        _tile_loadd(2, b, 64);
+        switch (jt) {
+          case 0: _tile_dpbf16ps(4, 0, 2); break;
+          case 1: _tile_dpbf16ps(5, 0, 2); break;
+          case 2: _tile_dpbf16ps(6, 0, 2); break;
+          default: _tile_dpbf16ps(7, 0, 2); break;
+        }
+      }
+    }
+    for (int jt = 0; jt < nj; ++jt) {
+      switch (jt) {
+        case 0: _tile_stored(4, co, 64); break;
+        case 1: _tile_stored(5, co, 64); break;
+        case 2: _tile_stored(6, co, 64); break;
+        default: _tile_stored(7, co, 64); break;
+      }
+      for (int r = 0; r < grp; ++r) {
+        float* o = st.acc[r] + j0 + 16 * jt;
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_add_ps(_mm512_load_ps(co[r]), _mm512_load_ps(co[grp + r]))));
+      }
+    }
+  }
+}
+#endif
+
+#if defined(PASK_AMX)
 // The INT4 tier on AMX tiles, in two passes: (1) every slot's score, group by group (the query's A
 // tile loaded once per group), into a per-task buffer; (2) one softmax step for the whole tier
 // (the running state rescaled at most once), then the values group by group with the accumulators
@@ -886,9 +1045,7 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
   alignas(64) float qsum[MAXD / QG][MAXR];
   alignas(64) float cst[MAXR];
   balanced_query(st, qf, scaling, s.kbal + static_cast<int64_t>(h) * 2 * D, qs, qsum, cst);
-  thread_local std::vector<float> buf;
-  buf.resize(static_cast<size_t>(grp * lp) + 16);
-  float* S = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  float* S = scratch_rows(grp, lp, 0);
   const __m512i table = code_table(), lo16 = kRows0.load(), hi16 = kRows1.load();
   const __m512i p0 = kSlots0.load(), p1 = kSlots1.load();
   alignas(64) uint16_t a[2][MAXR][32];      // A: [K chunk][hi rows, lo rows][32]
@@ -947,40 +1104,7 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
     }
   }
   // (2) one softmax step for the tier: S becomes the weights (0 past ln)
-  if (st.trace != nullptr) {
-    for (int r = 0; r < grp; ++r) std::copy(S + r * lp, S + r * lp + s.ln, st.trace + r * st.tstride + st.toff);
-    st.toff += s.ln;
-  }
-  for (int r = 0; r < grp; ++r) {
-    float* sr = S + r * lp;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t0 = 0; t0 < s.ln; t0 += 16)
-      mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, State::tail(static_cast<int>(std::min<int64_t>(16, s.ln - t0)), 0), sr + t0));
-    const float mb = _mm512_reduce_max_ps(mv);
-    const float mn = std::max(st.m[r], mb);
-    if (mn == -INFINITY) {
-      std::fill(sr, sr + lp, 0.0f);
-      continue;
-    }
-    if (mn > st.m[r]) {
-      const float f = st.m[r] == -INFINITY ? 0.0f : fexp(st.m[r] - mn);
-      st.l[r] *= f;
-      for (int d = 0; d < D; ++d) st.acc[r][d] *= f;
-      for (int d = 0; d < D / 2; ++d) st.even[r][d] *= f;
-      for (int d = 0; d < D / 2; ++d) st.odd[r][d] *= f;
-      for (int k = 0; k < G; ++k) st.zs[r][k] *= f;
-      st.m[r] = mn;
-    }
-    const __m512 m = _mm512_set1_ps(mn);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < lp; t0 += 16) {  // weights past ln are 0
-      const __m512 x = _mm512_maskz_mov_ps(State::tail(static_cast<int>(std::min<int64_t>(16, s.ln - t0)), 0),
-                                           fexp16(_mm512_sub_ps(_mm512_load_ps(sr + t0), m)));
-      _mm512_store_ps(sr + t0, x);
-      sum = _mm512_add_ps(sum, x);
-    }
-    st.l[r] += _mm512_reduce_add_ps(sum);
-  }
+  absorb_rows(st, S, lp, s.ln);
   // (3) values: even / odd[r] += sum_t w_t codes_t with w = p vs (A, hi / lo), zs[r] += sum_t p vz
   for (int g = 0; g < G; ++g) {
     __m512 zv[MAXR / 2];
@@ -1180,7 +1304,7 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
     State st;
     st.init(grp, D);
 #if defined(PASK_AMX)
-    st.amx = bits == 4 && s.ln > 0 && (D == 64 || D == 128) && 2 * grp <= MAXR && amx_enabled();
+    st.amx = (D == 64 || D == 128) && 2 * grp <= MAXR && amx_enabled();
     if (st.amx) amx_begin(grp);
 #endif
     float* pw = probs != nullptr && probs[b] != nullptr ? static_cast<float*>(probs[b]) : nullptr;
@@ -1190,11 +1314,15 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
       trace.resize(static_cast<size_t>(grp) * st.tstride);
       st.trace = trace.data();
     }
+#if defined(PASK_AMX)
+    if (s.hn > 0 && st.amx) h_stream_amx(st, qb, scaling, s, h);
+    else
+#endif
     if (s.hn > 0) h_stream(st, qb, qh, scaling, s, h);
     if (s.ln > 0) {
       if (bits == 2) l2_stream(st, qf, scaling, s, h);
 #if defined(PASK_AMX)
-      else if (st.amx) l_stream_amx(st, qf, scaling, s, h);
+      else if (st.amx && bits == 4) l_stream_amx(st, qf, scaling, s, h);
 #endif
       else l_stream(st, qf, scaling, s, h);
     }

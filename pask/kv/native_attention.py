@@ -10,10 +10,10 @@ compute-bound INT4 GEMM made an INT4 token slower to read than a BF16 one on thi
 
 Build: compiled on first use by :mod:`pask.native` (``-O3 -march=native -fopenmp``; AVX-512 or
 AVX2 + FMA kernels where the CPU has them, portable loops otherwise). Where the CPU has AMX (BF16
-tiles) and the OS grants tile state, the INT4 tier runs on tiles: codes widened to exact bf16,
-fp32 query rows and weights split into two bf16 parts (FP32-level accuracy), scores of the whole
-tier first, then one softmax step and the values with tile accumulators (:func:`use_amx`,
-``PASK_AMX=0``). A start-up
+tiles) and the OS grants tile state, both tiers run on tiles, each in two passes (every score of
+the tier, one softmax step, then the values in tile accumulators): BF16 keys read in place against
+the bf16 query (exact products); INT4 codes widened to exact bf16; fp32 query rows (INT4) and
+weights split into two bf16 parts (FP32-level accuracy) (:func:`use_amx`, ``PASK_AMX=0``). A start-up
 probe checks the library against the reference attention on random tiers. Without a compiler, or
 if the probe fails, :func:`available` is False and the previous paths run. ``PASK_NATIVE=0``
 disables it.
