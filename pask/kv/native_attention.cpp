@@ -1406,6 +1406,45 @@ void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* 
 
 }  // namespace
 
+// One token of one kv head into L slot `lslot`: keys balanced (k - mid) / bal, both quantised per
+// group of QG (pask.kv.quant.quantize_codes, bit-exact), written in the L tier's layouts.
+void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, const float* bal, int D, int bits, int h,
+                    uint8_t* KQ, uint16_t* KSZ, uint8_t* VQ, uint16_t* VS, uint16_t* VZ, int64_t lc, int64_t lslot) {
+  const int G = D / QG;
+  const int qmax = (1 << bits) - 1, kzp = 1 << (bits - 1);  // key zero point: 8 at 4 bits, 2 at 2 bits
+  const int64_t blk = lslot / BT, i = lslot % BT, col = i % (BT / 2);
+  const bool high = i >= BT / 2;
+  alignas(64) float kx[MAXD], vx[MAXD];
+  for (int d = 0; d < D; ++d) {
+    kx[d] = (bf2f(k[d]) - mid[d]) / bal[d];
+    vx[d] = bf2f(v[d]);
+  }
+  for (int g = 0; g < G; ++g) {
+    uint8_t kc[QG], vc[QG];
+    uint16_t ks, kz, vsc, vzr;
+    quantize_group(kx + g * QG, kzp, qmax, kc, &ks, &kz);
+    quantize_group(vx + g * QG, 0, qmax, vc, &vsc, &vzr);
+    const int64_t gs = (static_cast<int64_t>(h) * G + g) * lc + lslot;
+    if (bits == 4) {
+      for (int j = 0; j < QG; ++j) {
+        uint8_t* byte = KQ + ((static_cast<int64_t>(h) * (lc / BT) + blk) * D + g * QG + j) * (BT / 2) + col;
+        *byte = high ? static_cast<uint8_t>((*byte & 0x0F) | (kc[j] << 4)) : static_cast<uint8_t>((*byte & 0xF0) | kc[j]);
+      }
+      for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
+    } else {
+      uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / 4) + g * (QG / 4);
+      for (int j = 0; j < QG / 4; ++j) {
+        krow[j] = pack_quad(kc + 4 * j);
+        VQ[gs * (QG / 4) + j] = pack_quad(vc + 4 * j);
+      }
+    }
+    KSZ[2 * gs] = ks;
+    KSZ[2 * gs + 1] = kz;
+    VS[gs] = vsc;
+    VZ[gs] = vzr;
+  }
+}
+
 extern "C" {
 
 // For each of `nlayers` layers (one layer group): quantise H slot `slot` of every kv head into L
@@ -1417,8 +1456,6 @@ int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const v
                      const void* const* vq, const void* const* vs, const void* const* vz, const int64_t* lcap,
                      int64_t lslot, const void* const* kbal, int bits) {
   if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || (bits != 4 && bits != 2)) return -1;
-  const int G = D / QG;
-  const int qmax = (1 << bits) - 1, kzp = 1 << (bits - 1);  // key zero point: 8 at 4 bits, 2 at 2 bits
   for (int li = 0; li < nlayers; ++li) {
     uint16_t* K = static_cast<uint16_t*>(const_cast<void*>(hk[li]));
     uint16_t* V = static_cast<uint16_t*>(const_cast<void*>(hv[li]));
@@ -1429,47 +1466,43 @@ int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const v
     uint16_t* VZ = static_cast<uint16_t*>(const_cast<void*>(vz[li]));
     const float* bal_all = static_cast<const float*>(kbal[li]);
     const int64_t hc = hcap[li], lc = lcap[li];
-    const int64_t blk = lslot / BT, i = lslot % BT, col = i % (BT / 2);
-    const bool high = i >= BT / 2;
     for (int h = 0; h < hkv; ++h) {
       uint16_t* k = K + (static_cast<int64_t>(h) * hc + slot) * D;
       uint16_t* v = V + (static_cast<int64_t>(h) * hc + slot) * D;
       const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
-      const float* bal = mid + D;
-      alignas(64) float kx[MAXD], vx[MAXD];
-      for (int d = 0; d < D; ++d) {
-        kx[d] = (bf2f(k[d]) - mid[d]) / bal[d];
-        vx[d] = bf2f(v[d]);
-      }
-      for (int g = 0; g < G; ++g) {
-        uint8_t kc[QG], vc[QG];
-        uint16_t ks, kz, vsc, vzr;
-        quantize_group(kx + g * QG, kzp, qmax, kc, &ks, &kz);
-        quantize_group(vx + g * QG, 0, qmax, vc, &vsc, &vzr);
-        const int64_t gs = (static_cast<int64_t>(h) * G + g) * lc + lslot;
-        if (bits == 4) {
-          for (int j = 0; j < QG; ++j) {
-            uint8_t* byte = KQ + ((static_cast<int64_t>(h) * (lc / BT) + blk) * D + g * QG + j) * (BT / 2) + col;
-            *byte = high ? static_cast<uint8_t>((*byte & 0x0F) | (kc[j] << 4))
-                         : static_cast<uint8_t>((*byte & 0xF0) | kc[j]);
-          }
-          for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
-        } else {
-          uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / 4) + g * (QG / 4);
-          for (int j = 0; j < QG / 4; ++j) {
-            krow[j] = pack_quad(kc + 4 * j);
-            VQ[gs * (QG / 4) + j] = pack_quad(vc + 4 * j);
-          }
-        }
-        KSZ[2 * gs] = ks;
-        KSZ[2 * gs + 1] = kz;
-        VS[gs] = vsc;
-        VZ[gs] = vzr;
-      }
+      quantize_token(k, v, mid, mid + D, D, bits, h, KQ, KSZ, VQ, VS, VZ, lc, lslot);
       if (last != slot) {
         std::memcpy(k, K + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
         std::memcpy(v, V + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
       }
+    }
+  }
+  return 0;
+}
+
+
+// Quantise n tokens k, v [hkv, n, D] bf16 (contiguous) of one store into its L slots
+// [lslot, lslot + n) (capacity already reserved), bit-exact with pask.kv.quant as the move is.
+// Parallel over (kv head, 64-slot block): the two slots sharing an INT4 key byte stay in one task.
+int pask_quantize_low(int hkv, int D, const void* k, const void* v, int64_t n, void* kq, void* ksz, void* vq, void* vs,
+                      void* vz, int64_t lcap, int64_t lslot, const void* kbal, int bits, int nthreads) {
+  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || n < 0 || (bits != 4 && bits != 2)) return -1;
+  if (lslot < 0 || lslot + n > lcap) return -1;
+  const uint16_t* K = static_cast<const uint16_t*>(k);
+  const uint16_t* V = static_cast<const uint16_t*>(v);
+  const float* bal_all = static_cast<const float*>(kbal);
+  const int64_t b0 = lslot / BT, b1 = (lslot + n + BT - 1) / BT, nblk = b1 - b0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
+  for (int64_t task = 0; task < hkv * nblk; ++task) {
+    const int h = static_cast<int>(task / nblk);
+    const int64_t blk = b0 + task % nblk;
+    const int64_t s0 = std::max(lslot, blk * BT), s1 = std::min(lslot + n, (blk + 1) * BT);
+    const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
+    for (int64_t sl = s0; sl < s1; ++sl) {
+      const int64_t t = sl - lslot;
+      quantize_token(K + (h * n + t) * D, V + (h * n + t) * D, mid, mid + D, D, bits, h, static_cast<uint8_t*>(kq),
+                     static_cast<uint16_t*>(ksz), static_cast<uint8_t*>(vq), static_cast<uint16_t*>(vs),
+                     static_cast<uint16_t*>(vz), lcap, sl);
     }
   }
   return 0;

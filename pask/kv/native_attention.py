@@ -55,6 +55,10 @@ def _load() -> ctypes.CDLL:
     m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
     m.argtypes += [i64, ctypes.c_int64, vp, ctypes.c_int]
     m.restype = ctypes.c_int
+    b = lib.pask_quantize_low
+    b.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_int64] + [vp] * 5
+    b.argtypes += [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int]
+    b.restype = ctypes.c_int
     lib.pask_attention_isa.restype = ctypes.c_char_p
     lib.pask_attention_use_amx.argtypes = [ctypes.c_int]
     lib.pask_attention_use_amx.restype = ctypes.c_int
@@ -259,3 +263,36 @@ def move_to_low(stores: list, slot: int, last: int, lslot: int) -> None:
     )
     if rc != 0:
         raise RuntimeError(f"native L-tier move rejected the shape (head_dim {d}, {stores[0].bits} bits)")
+
+
+def quantize_low(store, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Append ``k, v [Hkv, n, D]`` (bf16) to ``store``'s L tier with the native quantiser (bit-exact
+    with the PyTorch path of :meth:`_SeqStore.append_low`, parallel over kv heads and 64-slot blocks);
+    False, with nothing written, where it does not apply (the caller then takes the PyTorch path)."""
+    if not (
+        store.group == GROUP
+        and store.bits in (2, 4)
+        and store.kbal is not None
+        and k.dtype == torch.bfloat16
+        and v.dtype == torch.bfloat16
+        and k.shape[-1] <= MAX_DIM
+        and available()
+    ):
+        return False
+    heads, n, d = k.shape
+    k, v = k.contiguous(), v.contiguous()
+    kbal = store.kbal.float().contiguous()
+    store.kbal = kbal
+    lt = store.l
+    lslot = lt.n
+    lt.reserve(n)
+    t = lt.t
+    rc = _LIB.pask_quantize_low(
+        heads, d, k.data_ptr(), v.data_ptr(), n,
+        *(_ptr(t[x]) for x in ("kq", "ksz", "vq", "vs", "vz")),
+        lt.cap, lslot, kbal.data_ptr(), store.bits, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native L-tier quantiser rejected the shape (head_dim {d}, {store.bits} bits)")
+    lt.commit(n)
+    return True

@@ -423,6 +423,7 @@ class _SeqStore:
         self.l = _Tier(low, heads, device, cfg, stats, align=BLOCK if self.bits == 4 else 1)
         self.kbal: torch.Tensor | None = None  # [Hkv, 2, D] fp32: per-channel mid-range, sqrt(range)
         self.balanced = getattr(cfg, "key_balance", True)
+        self.native = getattr(cfg, "native", True)  # bulk INT4 writes by the native kernel where it applies
 
     def tier(self, t: int) -> _Tier:
         return self.h if t == H else self.l
@@ -439,6 +440,11 @@ class _SeqStore:
             self.kbal = key_balance(self.h.view("k") if self.h.n else k)
             if not self.balanced:  # plain per-token quantisation (ablation): identity balance, not stored
                 self.kbal = torch.stack([torch.zeros_like(self.kbal[:, 0]), torch.ones_like(self.kbal[:, 1])], 1)
+        if self.native and k.shape[1] > 1:
+            from pask.kv import native_attention  # (imports this module)
+
+            if native_attention.quantize_low(self, k, v):
+                return
         mid, bal = self.kbal[:, 0:1], self.kbal[:, 1:2]
         b = self.bits
         kc, ks, kz = quantize_codes((k.float() - mid) / bal, self.group, key_zero_point(b), SCALE_DTYPE, b)
