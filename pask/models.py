@@ -266,7 +266,7 @@ def in_own_thread(fn: Callable[[], T]) -> T:
         except BaseException as e:  # re-raised in the caller
             box["error"] = e
 
-    t = threading.Thread(target=run, name="pask-load")
+    t = threading.Thread(target=run, name="pask-load", daemon=True)  # Ctrl-C during a load ends the process
     t.start()
     t.join()
     if "error" in box:
