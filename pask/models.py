@@ -254,7 +254,7 @@ def in_own_thread(fn: Callable[[], T]) -> T:
     for each thread that starts parallel regions, and once its pools hold more threads than the
     CPU has cores, libgomp stops spin-waiting between regions: every region then wakes its workers
     from sleep. A pool left behind by loading a model in the main thread made decode steps in a
-    second thread 14 % slower (``python benchmarks/decode_thread.py``; the server decodes in its
+    second thread 13-14 % slower (``python benchmarks/decode_thread.py``; the server decodes in its
     own thread, though ``pask bench serve`` runs showed no such difference). A thread that ends
     takes its pool with it.
     """
