@@ -175,17 +175,21 @@ struct State {
         std::fill(s, s + BT, 0.0f);
         continue;
       }
-      if (mn > m[r]) {
-        const float a = m[r] == -INFINITY ? 0.0f : fexp(m[r] - mn);
-        l[r] *= a;
-        for (int d = 0; d < D; ++d) acc[r][d] *= a;
-        for (int d = 0; d < D / 2; ++d) even[r][d] *= a;
-        for (int d = 0; d < D / 2; ++d) odd[r][d] *= a;
-        for (int g = 0; g < G; ++g) zs[r][g] *= a;
-        m[r] = mn;
-      }
+      rescale(r, mn);
       l[r] += exp_block(s, nt, mn);
     }
+  }
+
+  // Row r's running state (sum, outputs) rescaled to a new maximum mn >= m[r] (no-op if equal).
+  void rescale(int r, float mn) {
+    if (!(mn > m[r])) return;
+    const float a = m[r] == -INFINITY ? 0.0f : fexp(m[r] - mn);
+    l[r] *= a;
+    for (int d = 0; d < D; ++d) acc[r][d] *= a;
+    for (int d = 0; d < D / 2; ++d) even[r][d] *= a;
+    for (int d = 0; d < D / 2; ++d) odd[r][d] *= a;
+    for (int g = 0; g < G; ++g) zs[r][g] *= a;
+    m[r] = mn;
   }
 
 #if defined(__AVX512F__)
@@ -784,18 +788,35 @@ void balanced_query(const State& st, const float (*qf)[MAXD], float scaling, con
   }
 }
 
-void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
-  const int D = st.D, grp = st.grp, G = st.G;
-  const int64_t cap = s.lcap;
-  const uint8_t* KQ = s.kq + static_cast<int64_t>(h) * (cap / BT) * D * (BT / 2);
-  const uint16_t* KSZ = s.ksz + static_cast<int64_t>(h) * G * cap * 2;
-  const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 2);
-  const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
-  const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
+// One kv head's view of the L tier (bits 4: blocked key codes; 2: token-major, four codes a byte)
+// and its balanced query rows (balanced_query).
+struct LHead {
+  const uint8_t *KQ, *VQ;
+  const uint16_t *KSZ, *VS, *VZ;
   alignas(64) float qs[MAXR][MAXD];
   alignas(64) float qsum[MAXD / QG][MAXR];
   alignas(64) float cst[MAXR];
-  balanced_query(st, qf, scaling, s.kbal + static_cast<int64_t>(h) * 2 * D, qs, qsum, cst);
+
+  LHead(const State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int bits) {
+    const int64_t D = st.D, G = st.G, cap = s.lcap, hh = h;
+    KQ = s.kq + hh * cap * D * bits / 8;
+    KSZ = s.ksz + hh * G * cap * 2;
+    VQ = s.vq + hh * G * cap * (QG * bits / 8);
+    VS = s.vs + hh * G * cap;
+    VZ = s.vz + hh * G * cap;
+    balanced_query(st, qf, scaling, s.kbal + hh * 2 * D, qs, qsum, cst);
+  }
+};
+
+void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap;
+  const LHead L(st, qf, scaling, s, h, 4);
+  const uint8_t *KQ = L.KQ, *VQ = L.VQ;
+  const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
+  const auto& qs = L.qs;
+  const auto& qsum = L.qsum;
+  const auto& cst = L.cst;
   alignas(64) float a[MAXR][BT];
   alignas(64) float codes[BT];
   alignas(64) float scl[BT], off[BT], vsf[BT], vzf[BT];
@@ -877,7 +898,6 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
 // of 16) scores, 64-byte aligned; the running state is rescaled at most once; S becomes the
 // weights (0 from n on); the scores go to the trace first where one is kept.
 void absorb_rows(State& st, float* S, int64_t lp, int64_t n) {
-  const int D = st.D, G = st.G;
   if (st.trace != nullptr) {
     for (int r = 0; r < st.grp; ++r) std::copy(S + r * lp, S + r * lp + n, st.trace + r * st.tstride + st.toff);
     st.toff += n;
@@ -892,15 +912,7 @@ void absorb_rows(State& st, float* S, int64_t lp, int64_t n) {
       std::fill(sr, sr + lp, 0.0f);
       continue;
     }
-    if (mn > st.m[r]) {
-      const float f = st.m[r] == -INFINITY ? 0.0f : fexp(st.m[r] - mn);
-      st.l[r] *= f;
-      for (int d = 0; d < D; ++d) st.acc[r][d] *= f;
-      for (int d = 0; d < D / 2; ++d) st.even[r][d] *= f;
-      for (int d = 0; d < D / 2; ++d) st.odd[r][d] *= f;
-      for (int k = 0; k < G; ++k) st.zs[r][k] *= f;
-      st.m[r] = mn;
-    }
+    st.rescale(r, mn);
     const __m512 m = _mm512_set1_ps(mn);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < lp; t0 += 16) {  // weights past n are 0
@@ -1036,15 +1048,12 @@ void h_stream_amx(State& st, const uint16_t* qb, float scaling, const Seq& s, in
 void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap, nb = (s.ln + BT - 1) / BT, lp = nb * BT;
-  const uint8_t* KQ = s.kq + static_cast<int64_t>(h) * (cap / BT) * D * (BT / 2);
-  const uint16_t* KSZ = s.ksz + static_cast<int64_t>(h) * G * cap * 2;
-  const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 2);
-  const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
-  const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
-  alignas(64) float qs[MAXR][MAXD];
-  alignas(64) float qsum[MAXD / QG][MAXR];
-  alignas(64) float cst[MAXR];
-  balanced_query(st, qf, scaling, s.kbal + static_cast<int64_t>(h) * 2 * D, qs, qsum, cst);
+  const LHead L(st, qf, scaling, s, h, 4);
+  const uint8_t *KQ = L.KQ, *VQ = L.VQ;
+  const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
+  const auto& qs = L.qs;
+  const auto& qsum = L.qsum;
+  const auto& cst = L.cst;
   float* S = scratch_rows(grp, lp, 0);
   const __m512i table = code_table(), lo16 = kRows0.load(), hi16 = kRows1.load();
   const __m512i p0 = kSlots0.load(), p1 = kSlots1.load();
@@ -1175,15 +1184,12 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
 void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap;
-  const uint8_t* KQ = s.kq + static_cast<int64_t>(h) * cap * (D / 4);
-  const uint16_t* KSZ = s.ksz + static_cast<int64_t>(h) * G * cap * 2;
-  const uint8_t* VQ = s.vq + static_cast<int64_t>(h) * G * cap * (QG / 4);
-  const uint16_t* VS = s.vs + static_cast<int64_t>(h) * G * cap;
-  const uint16_t* VZ = s.vz + static_cast<int64_t>(h) * G * cap;
-  alignas(64) float qs[MAXR][MAXD];
-  alignas(64) float qsum[MAXD / QG][MAXR];
-  alignas(64) float cst[MAXR];
-  balanced_query(st, qf, scaling, s.kbal + static_cast<int64_t>(h) * 2 * D, qs, qsum, cst);
+  const LHead L(st, qf, scaling, s, h, 2);
+  const uint8_t *KQ = L.KQ, *VQ = L.VQ;
+  const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
+  const auto& qs = L.qs;
+  const auto& qsum = L.qsum;
+  const auto& cst = L.cst;
   alignas(64) float kc[MAXD];
   alignas(64) float vc[QG];
   for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
