@@ -23,7 +23,6 @@ import json
 import shlex
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 
 from pask.kv.attention import enable_pask_attention
 from pask.kv.cache import CacheConfig, TieredCache
-from pask.models import load_model
+from pask.models import in_own_thread, load_model
 
 OUT = Path(__file__).resolve().parent / "results" / "decode_thread"
 
@@ -60,7 +59,7 @@ def main() -> None:
             cache.update(k, k, layer)
         return cache
 
-    cache = in_thread(build)
+    cache = in_own_thread(build)
     times: dict[str, list[float]] = {"main": [], "thread": [], "thread, pool in main": []}
     pos = [n]
 
@@ -74,10 +73,10 @@ def main() -> None:
                 pos[0] += 1
 
     for _ in range(args.rounds):  # no pool in the main thread yet: thread first, then main (creates it)
-        in_thread(lambda: steps("thread"))
+        in_own_thread(lambda: steps("thread"))
     for _ in range(args.rounds):
         steps("main")
-        in_thread(lambda: steps("thread, pool in main"))
+        in_own_thread(lambda: steps("thread, pool in main"))
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     command = "python benchmarks/decode_thread.py " + shlex.join(sys.argv[1:])
     result = {"command": command, "model": lm.name, "batch": b, "context": n, "threads": args.threads, "step_ms": ms}
@@ -99,14 +98,6 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     OUT.with_suffix(".md").write_text(text)
     print(text)
-
-
-def in_thread(fn):
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("v", fn()))
-    t.start()
-    t.join()
-    return box.get("v")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,14 @@ def _fp32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), self.weight.float() if w32 is None else w32, bias).to(torch.bfloat16)
 
 
+def _checked(how: str | None) -> str:
+    """``how``, or the configured mode when None; a clear error for an unknown one."""
+    how = mode() if how is None else how
+    if how not in MODES:
+        raise PaskError(f"bf16 matmul mode must be one of {', '.join(MODES)}, got {how!r}")
+    return how
+
+
 def _bf16_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """Decode-sized bf16 inputs through the native bf16 GEMV (:func:`pask.native_gemv.linear_bf16`:
     a bf16 GEMM's arithmetic, reading the weight once, on AMX tiles where the CPU has them); other
@@ -101,9 +109,7 @@ def apply_gemv(model: torch.nn.Module, how: str | None = None) -> int:
     runs (more time in context switches; not explained), and it changes decode numerics by summation
     order against the committed cells (PyTorch's GEMM gave identical outputs in spot checks).
     """
-    how = mode() if how is None else how
-    if how not in MODES:
-        raise PaskError(f"bf16 matmul mode must be one of {', '.join(MODES)}, got {how!r}")
+    how = _checked(how)
     if how != "gemv" or not cpu_has_bf16() or not native_gemv.has_bf16_io():
         return 0
     n = 0
@@ -120,9 +126,7 @@ def apply(model: torch.nn.Module, how: str | None = None) -> int:
     Returns the number of layers changed (0 for a model that is not bf16, on a CPU with BF16
     arithmetic in ``auto`` mode, or in ``native`` mode). Idempotent.
     """
-    how = mode() if how is None else how
-    if how not in MODES:
-        raise PaskError(f"bf16 matmul mode must be one of {', '.join(MODES)}, got {how!r}")
+    how = _checked(how)
     if how in ("native", "gemv") or (how == "auto" and cpu_has_bf16()):
         return 0
     n = 0

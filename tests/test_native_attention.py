@@ -190,6 +190,14 @@ def _tiers(store) -> dict:
     return out
 
 
+def _assert_same_tiers(a, b) -> None:
+    """Every live tensor of two stores' tiers is bit-identical."""
+    got, want = _tiers(a), _tiers(b)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 2**16),
@@ -219,10 +227,7 @@ def test_single_token_low_move_is_bit_exact_with_the_python_path(native, seed, d
             cache.apply(0, 0, p, a)
         stores.append(cache.layers[0].seqs[0])
     assert na.move_applies([stores[0]]) and stores[0].bits == bits  # the native mover served the first cache
-    got, want = _tiers(stores[0]), _tiers(stores[1])
-    assert got.keys() == want.keys()
-    for name in got:
-        assert torch.equal(got[name], want[name]), name
+    _assert_same_tiers(*stores)
 
 
 def test_single_position_errors_match_the_batch_path():
@@ -400,7 +405,4 @@ def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, sca
     finally:
         na.quantize_low = real
     assert any(served) and all(served)  # the native quantiser wrote the first cache's multi-token batches
-    got, want = _tiers(stores[0]), _tiers(stores[1])
-    assert got.keys() == want.keys()
-    for name in got:
-        assert torch.equal(got[name], want[name]), name
+    _assert_same_tiers(*stores)

@@ -281,8 +281,6 @@ def quantize_low(store, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     heads, n, d = k.shape
     k, v = k.contiguous(), v.contiguous()
-    kbal = store.kbal.float().contiguous()
-    store.kbal = kbal
     lt = store.l
     lslot = lt.n
     lt.reserve(n)
@@ -290,7 +288,7 @@ def quantize_low(store, k: torch.Tensor, v: torch.Tensor) -> bool:
     rc = _LIB.pask_quantize_low(
         heads, d, k.data_ptr(), v.data_ptr(), n,
         *(_ptr(t[x]) for x in ("kq", "ksz", "vq", "vs", "vz")),
-        lt.cap, lslot, kbal.data_ptr(), store.bits, torch.get_num_threads(),
+        lt.cap, lslot, _ptr(store.kbal), store.bits, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native L-tier quantiser rejected the shape (head_dim {d}, {store.bits} bits)")
