@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -41,11 +42,18 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def local_includes(source: Path) -> list[Path]:
+    """The files ``source`` includes with ``#include "..."`` (relative to it, one level)."""
+    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [(source.parent / n).resolve() for n in names]
+
+
 def build_key(cxx: str, source: Path, flags: list[str]) -> str:
-    """Hash of what the library depends on: source, flags, compiler version, CPU flags."""
+    """Hash of what the library depends on: source and its local headers, flags, compiler version, CPU flags."""
     version = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), version.encode(), cpu_flags().encode()):
+    headers = [f.read_bytes() for f in local_includes(source)]
+    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), version.encode(), cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]

@@ -1,4 +1,4 @@
-// BF16-weight linear layer for decode steps on CPUs without BF16 arithmetic: y = x W^T + b with
+// BF16-weight linear layers for decode steps. pask_linear_bf16 (CPUs without BF16 arithmetic): y = x W^T + b with
 // x [M, K] fp32 (a few rows: one per sequence of a decode batch), W [N, K] bf16 (nn.Linear's
 // layout, read in place), b [N] fp32 or null, y [M, N] fp32. Plain C ABI, loaded with ctypes by
 // pask/native_gemv.py. Every weight is widened to fp32 exactly (bf16 -> fp32 is a shift) and
@@ -10,15 +10,9 @@
 // Work split: chunks of output columns over OpenMP threads; per column up to 8 rows at a time,
 // each with its own accumulator chain (fewer rows get more partial sums per row, so that 8
 // independent FMA chains hide the FMA latency), over slices of the reduction that keep x in L1.
+// pask_linear_bf16_io (CPUs with AVX512-BF16; opt-in, PASK_BF16_MATMUL=gemv): bf16 in and out, on
+// AMX tiles where the OS grants them, else bf16 dot products.
 #include <omp.h>
-#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -27,7 +21,11 @@
 #include <cstring>
 #include <vector>
 
+#include "native_common.h"
+
 namespace {
+
+using pask_native::bf2f;
 
 constexpr int MAXM = 8;  // rows per pass over a weight row
 
@@ -80,13 +78,6 @@ void rows(int mt, const float* x, int64_t ldx, int64_t K, const uint16_t* w, flo
   }
 }
 #else
-inline float bf2f(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 void rows(int mt, const float* x, int64_t ldx, int64_t K, const uint16_t* w, float* y, int64_t ldy, float b, bool add) {
   for (int m = 0; m < mt; ++m) {
     float s = 0.0f;
@@ -101,21 +92,7 @@ void rows(int mt, const float* x, int64_t ldx, int64_t K, const uint16_t* w, flo
 #define PASK_GEMV_BF16 1
 // ---- CPUs with AVX512-BF16: bf16 x bf16 dot products (exact products, fp32 sums), bf16 in and out --
 // Two weight rows x up to 8 input rows per pass over the reduction: 16 accumulators, summed
-// across lanes together at the end (lane i of the result = sum of accumulator i).
-inline __m512 lane_sums(__m512* v) {
-  __m512 r[8], s[4], w[2];
-  for (int k = 0; k < 8; ++k)
-    r[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {
-    __m512d a = _mm512_castps_pd(r[2 * k]), b = _mm512_castps_pd(r[2 * k + 1]);
-    s[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int k = 0; k < 2; ++k)
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
+// across lanes together at the end (pask_native::hsum16).
 // y[m][n], y[m][n + 1] for MT rows of x: accumulators 0..7 = (row n, x row m), 8..15 = (n + 1, m)
 template <int MT>
 inline void pair_dot(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1, float* sums) {
@@ -139,7 +116,7 @@ inline void pair_dot(const uint16_t* x, int64_t K, const uint16_t* w0, const uin
       acc[8 + m] = _mm512_dpbf16_ps(acc[8 + m], xv, b);
     }
   }
-  _mm512_storeu_ps(sums, lane_sums(acc));
+  _mm512_storeu_ps(sums, pask_native::hsum16(acc));
 }
 
 inline uint16_t f2bf(float f) {  // round to nearest even (finite values)
@@ -150,13 +127,6 @@ inline uint16_t f2bf(float f) {  // round to nearest even (finite values)
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float bf2f16(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // Rows [n0, n1) of y by pairs of weight rows (the path without tiles, and the tail of the tile path).
 void pair_rows_range(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint16_t* x, const uint16_t* w,
                      const uint16_t* bias, uint16_t* y) {
@@ -164,7 +134,7 @@ void pair_rows_range(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, co
     const bool two = n + 1 < n1;
     const uint16_t* w0 = w + n * K;
     const uint16_t* w1 = two ? w0 + K : w0;
-    const float b0 = bias ? bf2f16(bias[n]) : 0.0f, b1 = bias && two ? bf2f16(bias[n + 1]) : 0.0f;
+    const float b0 = bias ? bf2f(bias[n]) : 0.0f, b1 = bias && two ? bf2f(bias[n + 1]) : 0.0f;
     for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
       const int mt = static_cast<int>(std::min<int64_t>(MAXM, M - m0));
       alignas(64) float sums[16];
@@ -193,20 +163,8 @@ void pair_rows_range(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, co
 // ---- AMX tiles (Sapphire Rapids and later): y^T = W x^T, 16 weight rows per tile -------------
 // A = 16 weight rows x 32 values, read in place (row stride K); B = x^T for the same 32 values as
 // VNNI pairs (16 rows of M pairs, packed once per call); C = 16 weight rows x M fp32.
-bool amx_granted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using pask_native::amx_granted;
+using pask_native::TileConfig;
 
 // Tiles: 0 = B (16 rows of M pairs), 1..3 = A (16 weight rows x 32 values), 4..7 = C (16 x M fp32).
 void tile_config(int64_t M) {
@@ -255,7 +213,7 @@ void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const ui
     for (int b = 0; b < nb; ++b)
       for (int r = 0; r < 16; ++r) {
         const int64_t col = n + 16 * b + r;
-        const float bv = bias ? bf2f16(bias[col]) : 0.0f;
+        const float bv = bias ? bf2f(bias[col]) : 0.0f;
         for (int64_t m = 0; m < M; ++m) y[m * N + col] = f2bf(c[b][r][m] + bv);
       }
   }

@@ -406,3 +406,20 @@ def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, sca
         na.quantize_low = real
     assert any(served) and all(served)  # the native quantiser wrote the first cache's multi-token batches
     _assert_same_tiers(*stores)
+
+
+def test_build_key_covers_local_headers(tmp_path):
+    """A library is rebuilt when a header its source includes with quotes changes (native_common.h)."""
+    from pask import native
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ here")
+    src, hdr = tmp_path / "k.cpp", tmp_path / "h.h"
+    src.write_text('#include <cstdint>\n#include "h.h"\nint f() { return 1; }\n')
+    hdr.write_text("// one\n")
+    assert native.local_includes(src) == [hdr.resolve()]
+    before = native.build_key(cxx, src, [])
+    hdr.write_text("// two\n")
+    assert native.build_key(cxx, src, []) != before
+    assert [f.name for f in native.local_includes(na.SOURCE)] == ["native_common.h"]

@@ -27,10 +27,7 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AMX_TILE__) && \
     defined(__AMX_BF16__)
-#define PASK_AMX 1  // INT4 tier on AMX tiles (Sapphire Rapids and later), if the OS grants tile state
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#define PASK_AMX 1  // both tiers on AMX tiles (Sapphire Rapids and later), if the OS grants tile state
 #include <cstdlib>
 #endif
 
@@ -41,19 +38,23 @@
 #include <cstring>
 #include <vector>
 
+#include "../native_common.h"
+
 namespace {
+
+using pask_native::bf2f;
+#if defined(__AVX512F__)
+using pask_native::hsum16;
+#endif
+#if defined(PASK_AMX)
+using pask_native::amx_granted;
+using pask_native::TileConfig;
+#endif
 
 constexpr int BT = 64;    // tokens per block (the INT4 key code block)
 constexpr int QG = 32;    // quantisation group along head_dim
 constexpr int MAXD = 128; // largest head_dim served
 constexpr int MAXR = 16;  // largest number of query rows per kv head
-
-inline float bf2f(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // exp for x <= 88 (Cephes expf polynomial, ~1 ulp); vectorises (no libm call).
 inline float fexp(float x) {
@@ -284,21 +285,6 @@ inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// Lane i of the result = sum of the 16 lanes of v[i].
-inline __m512 hsum16(__m512* v) {
-  __m512 r[8], s[4], w[2];
-  for (int k = 0; k < 8; ++k)
-    r[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {
-    __m512d a = _mm512_castps_pd(r[2 * k]), b = _mm512_castps_pd(r[2 * k + 1]);
-    s[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int k = 0; k < 2; ++k)
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
 // scores sc[r][0..nt) = scaling * q_r . k_t over BF16 keys K (token-major, D values each)
 template <int D>
 void h_scores(State& st, const uint16_t* qb, float scaling, const uint16_t* K, int nt) {
@@ -433,36 +419,18 @@ void l_values_group(State& st, const uint8_t* vq, const float* vs, const float* 
 }
 
 #if defined(PASK_AMX)
-// ---- AMX kernels for the INT4 tier -----------------------------------------------------------
-// Every tile is 64 bytes wide: A = query rows (scores) or value weights (values) in bf16, each fp32
-// operand split into a high and a low bf16 part (x = hi + lo to ~2^-17 relative), so that with
-// exact bf16 codes (0..15) the products keep the FP32 kernels' accuracy; B = codes as bf16 in the
-// VNNI pair layout (row = a pair along the reduced axis, 16 columns of two bf16); C = FP32.
-// Tiles: 0 / 1 A hi / lo (grp rows), 2 / 3 B (16 rows), 4 / 5 C (grp rows).
+// ---- AMX tile helpers (the tier kernels h_stream_amx / l_stream_amx follow balanced_query) ------
+// Every tile is 64 bytes wide; B tiles hold bf16 in the VNNI pair layout (row = a pair along the
+// reduced axis, 16 columns of two bf16). FP32 operands are split into hi + lo bf16 rows (~2^-17).
 
 // Whether the AMX path runs: compiled in, tile state granted by the OS, and not turned off
 // (PASK_AMX=0 at load, or pask_attention_use_amx(0)).
-bool amx_granted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
-}
-
 std::atomic<int> amx_wanted{[] {
   const char* e = std::getenv("PASK_AMX");
   return e != nullptr && e[0] == '0' ? 0 : 1;
 }()};
 
 bool amx_enabled() { return amx_wanted.load(std::memory_order_relaxed) != 0 && amx_granted(); }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Every tile 64 bytes wide; A (0, 1) and C (4..7) tiles of `rows` rows, B (2, 3) tiles of 16.
 void amx_config(int rows) {
