@@ -103,11 +103,11 @@ def apply_gemv(model: torch.nn.Module, how: str | None = None) -> int:
     ``nn.Linear`` layers to the native bf16 GEMV (AVX512-BF16; AMX tiles where allowed). Returns the
     number of layers changed (0 in other modes, on other CPUs or without the kernel).
 
-    Opt-in: measured on the AVX-512 + AMX machine, a batch-8 decode step of qwen2.5-coder-0.5b in
-    the main thread takes 88.8 ms with it against 108.6 ms with PyTorch's GEMM (64 cached tokens;
-    157 vs 180 ms at 8k), but inside the server's decode thread it was 4-10 % slower in three paired
-    runs (more time in context switches; not explained), and it changes decode numerics by summation
-    order against the committed cells (PyTorch's GEMM gave identical outputs in spot checks).
+    Opt-in: on the AVX-512 + AMX machine a batch-8 decode step of qwen2.5-coder-0.5b takes 95.4 ms
+    with it against 118.7 ms with PyTorch's GEMM (``benchmarks/results/bf16_matmul.md``), but inside
+    the server's decode thread paired ``pask bench serve`` runs were slower with it (more time in
+    context switches; not explained), and its summation order differs from PyTorch's GEMM, which
+    the committed cells used.
     """
     how = _checked(how)
     if how != "gemv" or not cpu_has_bf16() or not native_gemv.has_bf16_io():
