@@ -21,9 +21,9 @@ In every mode but ``native``, inputs of at most :data:`pask.native_gemv.MAX_ROWS
 steps) go to the native bf16-weight kernel of :mod:`pask.native_gemv` where it is available: the
 same fp32 product (up to summation order) reading the bf16 weight in place, several times faster
 than both PyTorch GEMVs on that machine because a decode step is bound by reading the weights.
-``gemv`` (CPUs with BF16 arithmetic, opt-in): PyTorch's bf16 GEMM for prefills and the native
-bf16 GEMV for decode-sized inputs (:func:`apply_gemv`; AVX512-BF16 dot products or AMX tiles, the
-bf16 GEMM's arithmetic up to summation order).
+``gemv`` (CPUs with BF16 arithmetic; opt-in, the server's default: :func:`serving_mode`): PyTorch's
+bf16 GEMM for prefills and the native bf16 GEMV for decode-sized inputs (:func:`apply_gemv`;
+AVX512-BF16 dot products or AMX tiles, the bf16 GEMM's arithmetic up to summation order).
 """
 
 from __future__ import annotations
@@ -98,16 +98,26 @@ def _bf16_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
+def serving_mode() -> str:
+    """The mode of the server (``pask serve``, ``pask bench serve``): ``auto`` there means ``gemv``.
+
+    In the server's decode thread the native bf16 GEMV makes a batch-16 decode step over 8k tokens
+    of qwen2.5-coder-0.5b faster for every policy (``benchmarks/results/serving/gemv-ab``); the
+    evaluation commands keep PyTorch's GEMM (``auto``), which the committed accuracy cells used.
+    """
+    m = mode()
+    return "gemv" if m == "auto" else m
+
+
 def apply_gemv(model: torch.nn.Module, how: str | None = None) -> int:
     """In ``gemv`` mode on a CPU with BF16 arithmetic, route the decode-sized inputs of the bf16
     ``nn.Linear`` layers to the native bf16 GEMV (AVX512-BF16; AMX tiles where allowed). Returns the
     number of layers changed (0 in other modes, on other CPUs or without the kernel).
 
-    Opt-in: on the AVX-512 + AMX machine a batch-8 decode step of qwen2.5-coder-0.5b takes 95.4 ms
-    with it against 118.7 ms with PyTorch's GEMM (``benchmarks/results/bf16_matmul.md``), but inside
-    the server's decode thread paired ``pask bench serve`` runs were slower with it (more time in
-    context switches; not explained), and its summation order differs from PyTorch's GEMM, which
-    the committed cells used.
+    On the AVX-512 + AMX machine a batch-8 decode step of qwen2.5-coder-0.5b takes 95.4 ms with it
+    against 118.7 ms with PyTorch's GEMM (``benchmarks/results/bf16_matmul.md``). Opt-in for
+    evaluations (its summation order differs from PyTorch's GEMM, which the committed cells used);
+    the server takes it by default (:func:`serving_mode`).
     """
     how = _checked(how)
     if how != "gemv" or not cpu_has_bf16() or not native_gemv.has_bf16_io():

@@ -690,7 +690,6 @@ def serve(
     threads: int | None = None,
 ) -> None:
     """OpenAI-compatible server (/v1/chat/completions, /v1/models, /health, /metrics) with continuous batching."""
-    from pask.models import load_model
     from pask.serving.server import Service
     from pask.serving.server import serve as run_server
 
@@ -703,11 +702,22 @@ def serve(
     elif table is None:
         raise PaskError("--policy pask needs --table FILE (made by `pask calibrate --task bfcl`)")
     _threads(threads, prefill_store)
-    lm = load_model(model, dtype=_dtype(dtype))
+    lm = _serving_model(model, dtype)
     factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)
     service = Service.build(lm, factory, capacity_tokens, max_batch=max_batch, default_max_tokens=max_tokens)
     console.print(f"serving {lm.name} with policy {policy} on http://{host}:{port}/v1")
     run_server(service, host, port)
+
+
+def _serving_model(model: str, dtype: str):
+    """The model as the server runs it: decode GEMVs on the native bf16 kernel where
+    :func:`pask.bf16_matmul.serving_mode` says so."""
+    from pask import bf16_matmul
+    from pask.models import load_model
+
+    lm = load_model(model, dtype=_dtype(dtype))
+    lm.model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(lm.model, bf16_matmul.serving_mode())
+    return lm
 
 
 @bench_app.command("serve")
@@ -743,7 +753,6 @@ def bench_serve_cmd(
     A soak test: ``--no-reference --policies pask --concurrency 16 --requests-per-client 100000
     --max-seconds 600 --sample-every 5`` (memory flat after warm-up, zero 5xx, zero malformed).
     """
-    from pask.models import load_model
     from pask.serving.bench import BenchConfig, bench_serve, markdown, write
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -755,7 +764,7 @@ def bench_serve_cmd(
         concurrency, input_len, output_len, requests_per_client, capacity_tokens, max_seconds, sample_every=sample_every
     )
     _threads(threads, prefill_store)
-    lm = load_model(model, dtype=_dtype(dtype))
+    lm = _serving_model(model, dtype)
     factories = {
         n: serving_policy_factory(n, None if n == "full" else budget, None, table, lm.fingerprint) for n in names
     }

@@ -87,6 +87,32 @@ def test_mode_comes_from_the_environment_and_bad_values_are_clear_errors(monkeyp
         bf16_matmul.apply(_mlp(), "fast")
 
 
+def test_the_server_takes_the_native_gemv_in_auto_mode_and_keeps_an_explicit_mode(monkeypatch):
+    monkeypatch.delenv("PASK_BF16_MATMUL", raising=False)
+    assert bf16_matmul.mode() == "auto" and bf16_matmul.serving_mode() == "gemv"
+    for explicit in ("native", "fp32", "gemv"):
+        monkeypatch.setenv("PASK_BF16_MATMUL", explicit)
+        assert bf16_matmul.serving_mode() == explicit
+    monkeypatch.setenv("PASK_BF16_MATMUL", "fast")
+    with pytest.raises(PaskError, match="PASK_BF16_MATMUL must be one of"):
+        bf16_matmul.serving_mode()
+
+
+def test_bench_names_what_computed_the_decode_linears(monkeypatch):
+    from pask.serving.bench import decode_linears
+
+    model = _mlp()
+    assert decode_linears(model) == "PyTorch"
+    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: True)
+    model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(model, "gemv")
+    if native_gemv.has_bf16_io():
+        assert decode_linears(model) == f"native bf16 GEMV ({native_gemv.isa()}, 2 layers)"
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        assert _close_to_fp32_product(model[0](x), x, model[0])
+    else:
+        assert decode_linears(model) == "PyTorch"
+
+
 def test_tiny_model_in_bf16_decodes_the_same_tokens_with_fp32_products(smol):
     """smollm2 in bf16: greedy tokens of a prompt agree with and without the fp32 products."""
     from pask.models import load_model

@@ -352,6 +352,14 @@ def bandwidth_limit(weight_bytes: int, kv_per_token: int, context: float, concur
     return (weight_bytes + kv) / (weight_bytes + kv * b)
 
 
+def decode_linears(model) -> str:
+    """What computes the decode steps' linear layers: the native bf16 GEMV (with its ISA) or PyTorch."""
+    from pask import native_gemv
+
+    n = getattr(model, "pask_bf16_gemv_linears", 0)
+    return f"native bf16 GEMV ({native_gemv.isa()}, {n} layers)" if n else "PyTorch"
+
+
 def bench_serve(
     lm: LoadedModel,
     factories: dict[str, Callable],
@@ -420,6 +428,7 @@ def bench_serve(
         "kv_bytes_per_token": per_token,
         "decode_context": context,
         "prefills": "loaded from a prefill store filled before the timed runs" if warm_prefills else "computed",
+        "decode_linears": decode_linears(lm.model),
         "policies": rows,
         "command": command,
     }
@@ -431,7 +440,8 @@ def markdown(result: dict) -> str:
     cap = cfg["capacity_tokens"] or "unlimited"
     head = (
         f"Serving, {result['model']}, c = {cfg['concurrency']}, input {cfg['input_len']}, output {cfg['output_len']}, "
-        f"KV capacity {cap} tokens; prefills {result.get('prefills', 'computed')}\n\n"
+        f"KV capacity {cap} tokens; prefills {result.get('prefills', 'computed')}"
+        f"{'; decode linears: ' + result['decode_linears'] if result.get('decode_linears') else ''}\n\n"
         "| policy | B (avg) | TPOT ms | TPOT speed-up | step ms | step speed-up | step ms at batch c (steps) "
         "| x Full | bandwidth limit | throughput tok/s "
         "| x Full | prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"
