@@ -424,3 +424,46 @@ def test_build_key_covers_local_headers(tmp_path):
     hdr.write_text("// two\n")
     assert native.build_key(cxx, src, []) != before
     assert [f.name for f in native.local_includes(na.SOURCE)] == ["native_common.h"]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 5), steps=st.integers(1, 40), d=st.sampled_from([64, 128]))
+def test_decode_appends_are_bit_exact_with_the_python_path(native, seed, rows, steps, d):
+    """A decode step's tokens go into the H tiers in one native call per layer: the tiers equal the
+    row-by-row PyTorch appends, through tier growth and with a dropped row."""
+    gen = torch.Generator().manual_seed(seed)
+    feeds = [torch.randn(rows, 2, 1, d, generator=gen).to(torch.bfloat16) for _ in range(2 * steps)]
+    prompt = torch.randn(rows, 2, 3, d, generator=gen).to(torch.bfloat16)
+    calls, real = [], na.append_h
+    na.append_h = lambda *a: calls.append(real(*a)) or calls[-1]
+    caches = []
+    try:
+        for use_native in (True, False):
+            cache = TieredCache(attention_config(2, 3, d), CacheConfig(num_groups=1, native=use_native), rows)
+            cache.update(prompt, prompt, 0)
+            for i in range(steps):
+                if i == steps // 2 and rows > 1:
+                    cache.drop(rows - 1)
+                cache.update(feeds[2 * i], feeds[2 * i + 1], 0)
+            caches.append(cache)
+    finally:
+        na.append_h = real
+    assert calls and all(calls)  # the native cache appended every decode step
+    for b in range(rows - 1 if rows > 1 else rows):
+        _assert_same_tiers(caches[0].layers[0].seqs[b], caches[1].layers[0].seqs[b])
+    k = caches[0].layers[0].seqs[0].h.view("k")
+    assert torch.equal(k[:, -1], feeds[2 * steps - 2][0, :, 0])
+
+
+def test_decode_append_rejects_a_slot_past_capacity(native):
+    """The native append writes nothing for a slot outside its tier (the caller's bug, not memory)."""
+    import ctypes
+
+    k = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    dst = torch.full((2, 4, 64), 7, dtype=torch.bfloat16)
+    vp, i64 = ctypes.c_void_p * 1, ctypes.c_int64 * 1
+    args = (1, 2, 64, k.data_ptr(), k.data_ptr(), vp(dst.data_ptr()), vp(dst.data_ptr()), i64(4))
+    assert na._LIB.pask_append_h(*args, i64(4)) == -1
+    assert bool((dst == 7).all())
+    assert na._LIB.pask_append_h(*args, i64(3)) == 0
+    assert bool((dst[:, 3] == 0).all()) and bool((dst[:, :3] == 7).all())

@@ -202,6 +202,8 @@ class TieredLayer(CacheLayerMixin):
         if key_states.shape[0] != c.num_seqs:
             raise KVCacheError(f"batch of {key_states.shape[0]} rows fed to a TieredCache of {c.num_seqs} sequences")
         prefill = c.mode == "prefill"
+        if not prefill and c.config.native and native_attention.append_h(self.seqs, key_states, value_states):
+            return key_states, value_states
         for b, store in enumerate(self.seqs):
             if store is None:
                 continue

@@ -1482,4 +1482,26 @@ int pask_quantize_low(int hkv, int D, const void* k, const void* v, int64_t n, v
   return 0;
 }
 
+// A decode step's new token of each row into its H tier: for row r with kd[r] non-null,
+// kd[r][h][slot[r]][:] = k[r][h][:] and the same for v (bf16; k, v [rows, hkv, D] contiguous;
+// tiers [hkv, cap[r], D]). One call per layer in place of a PyTorch copy per row and part.
+// Returns 0, -1 on a bad shape or a slot past its tier's capacity (nothing written then).
+int pask_append_h(int64_t rows, int hkv, int D, const void* k, const void* v, void* const* kd, void* const* vd,
+                  const int64_t* cap, const int64_t* slot) {
+  if (rows < 0 || hkv < 1 || D < 1) return -1;
+  for (int64_t r = 0; r < rows; ++r)
+    if (kd[r] != nullptr && (vd[r] == nullptr || slot[r] < 0 || slot[r] >= cap[r])) return -1;
+  const uint16_t* K = static_cast<const uint16_t*>(k);
+  const uint16_t* V = static_cast<const uint16_t*>(v);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (kd[r] == nullptr) continue;
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t src = (r * hkv + h) * D, dst = (h * cap[r] + slot[r]) * D;
+      std::copy(K + src, K + src + D, static_cast<uint16_t*>(kd[r]) + dst);
+      std::copy(V + src, V + src + D, static_cast<uint16_t*>(vd[r]) + dst);
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"

@@ -59,6 +59,9 @@ def _load() -> ctypes.CDLL:
     b.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_int64] + [vp] * 5
     b.argtypes += [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int]
     b.restype = ctypes.c_int
+    a = lib.pask_append_h
+    a.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, i64, i64]
+    a.restype = ctypes.c_int
     lib.pask_attention_isa.restype = ctypes.c_char_p
     lib.pask_attention_use_amx.argtypes = [ctypes.c_int]
     lib.pask_attention_use_amx.restype = ctypes.c_int
@@ -246,16 +249,16 @@ def move_to_low(stores: list, slot: int, last: int, lslot: int) -> None:
     i64 = ctypes.c_int64 * n
     h, lt = [s.h.t for s in stores], [s.l.t for s in stores]
     d = stores[0].h.parts["k"].post[0]
-    rc = _LIB.pask_move_to_low(
+    rc = _LIB.pask_move_to_low(  # (tier tensors are allocated contiguous: data_ptr without _ptr's check)
         n,
         stores[0].h.heads,
         d,
-        vp(*[_ptr(t["k"]) for t in h]),
-        vp(*[_ptr(t["v"]) for t in h]),
+        vp(*[t["k"].data_ptr() for t in h]),
+        vp(*[t["v"].data_ptr() for t in h]),
         i64(*[s.h.cap for s in stores]),
         slot,
         last,
-        *(vp(*[_ptr(t[k]) for t in lt]) for k in ("kq", "ksz", "vq", "vs", "vz")),
+        *(vp(*[t[k].data_ptr() for t in lt]) for k in ("kq", "ksz", "vq", "vs", "vz")),
         i64(*[s.l.cap for s in stores]),
         lslot,
         vp(*[_ptr(s.kbal) for s in stores]),
@@ -263,6 +266,35 @@ def move_to_low(stores: list, slot: int, last: int, lslot: int) -> None:
     )
     if rc != 0:
         raise RuntimeError(f"native L-tier move rejected the shape (head_dim {d}, {stores[0].bits} bits)")
+
+
+def append_h(stores: list, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Append token ``b`` of ``k, v [rows, Hkv, 1, D]`` (bf16) to the H tier of ``stores[b]`` (rows
+    whose store is None are skipped) in one native call; False, with nothing written, where it does
+    not apply (the caller then appends row by row)."""
+    if not (k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 and k.shape[2] == 1 and available()):
+        return False
+    live = [st for st in stores if st is not None]
+    if not live or live[0].h.parts["k"].dtype != torch.bfloat16:
+        return False
+    rows, hkv, _, d = k.shape
+    k, v = k.contiguous(), v.contiguous()  # (held until the call returns)
+    for st in live:
+        st.h.reserve(1)
+    vp, i64 = ctypes.c_void_p * rows, ctypes.c_int64 * rows
+    ts = [None if st is None else st.h.t for st in stores]
+    rc = _LIB.pask_append_h(
+        rows, hkv, d, k.data_ptr(), v.data_ptr(),
+        vp(*[None if t is None else t["k"].data_ptr() for t in ts]),
+        vp(*[None if t is None else t["v"].data_ptr() for t in ts]),
+        i64(*[0 if st is None else st.h.cap for st in stores]),
+        i64(*[0 if st is None else st.h.n for st in stores]),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native H-tier append rejected the shape (Hkv {hkv}, D {d})")
+    for st in live:
+        st.h.commit(1)
+    return True
 
 
 def quantize_low(store, k: torch.Tensor, v: torch.Tensor) -> bool:

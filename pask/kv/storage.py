@@ -304,11 +304,13 @@ class _GroupIndex:
         self.counts[tier][1] += sign * dec
 
     def append_h(self, k: int) -> None:
-        pos = torch.arange(self.length, self.length + k, dtype=torch.int32)
+        start = self.length
         self.length += k
         self.tier_of.ensure(self.length)
         self.slot_of.ensure(self.length)
-        self._add(H, pos)
+        if k == 1:  # a decode step: no tensor ops
+            return self.add_one(H, start)
+        self._add(H, torch.arange(start, start + k, dtype=torch.int32))
 
     def _add(self, tier: int, pos: torch.Tensor) -> None:
         n = self.n[tier]
