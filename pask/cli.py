@@ -7,6 +7,7 @@ category, ...) is a :class:`PaskError`: one clear message, exit code 2, no trace
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import shlex
@@ -717,6 +718,8 @@ def _serving_model(model: str, dtype: str):
 
     lm = load_model(model, dtype=_dtype(dtype))
     lm.model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(lm.model, bf16_matmul.serving_mode())
+    gc.collect()
+    gc.freeze()  # the model's objects leave the collector's generations: no full collection walks them mid-step
     return lm
 
 
