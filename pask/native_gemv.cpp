@@ -175,6 +175,28 @@ void tile_config(int64_t M) {
   _tile_loadconfig(&cfg);
 }
 
+// y[m][col .. col + 16) = bf16(c[r][m] + bias[col + r]) for the M rows of x: one tile's 16 weight rows,
+// read down c's columns (a gather from L1), rounded as f2bf does (to nearest even; NaN stays NaN).
+inline void store_tile(int64_t M, int64_t N, int64_t col, const float (*c)[16], const uint16_t* bias, uint16_t* y) {
+  const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));
+  const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + col))), 16))
+                         : _mm512_setzero_ps();
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), expo = _mm512_set1_epi32(0x7F800000);
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_i32gather_ps(down, &c[0][m], 4), bv));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+    const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expo), expo);  // inf or NaN: truncate, keep NaN
+    if (special) {
+      const __m512i t = _mm512_srli_epi32(u, 16);
+      const __mmask16 nan = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0xFFFF));
+      r = _mm512_mask_mov_epi32(r, special, _mm512_mask_or_epi32(t, special & nan, t, _mm512_set1_epi32(0x40)));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + col), _mm512_cvtepi32_epi16(r));
+  }
+}
+
 // Weight rows [n0, n1) (n1 - n0 a multiple of 16), tile config loaded.
 void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint32_t* xt, const uint16_t* w,
                const uint16_t* bias, uint16_t* y) {
@@ -188,8 +210,6 @@ void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const ui
     _tile_zero(7);
     const uint16_t* wn = w + n * K;
     for (int64_t k = 0; k < K; k += 32) {
-      if (k + 512 < K)  // the rows' lines 8 chunks ahead: 16 nb streams at once outrun the prefetchers
-        for (int r = 0; r < 16 * nb; ++r) _mm_prefetch(reinterpret_cast<const char*>(wn + r * K + k + 512), _MM_HINT_T0);
       _tile_loadd(0, xt + (k / 2) * M, ldx);
       _tile_loadd(1, wn + k, ldw);
       _tile_dpbf16ps(4, 1, 0);
@@ -210,12 +230,7 @@ void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const ui
     if (nb > 1) _tile_stored(5, c[1], 64);
     if (nb > 2) _tile_stored(6, c[2], 64);
     if (nb > 3) _tile_stored(7, c[3], 64);
-    for (int b = 0; b < nb; ++b)
-      for (int r = 0; r < 16; ++r) {
-        const int64_t col = n + 16 * b + r;
-        const float bv = bias ? bf2f(bias[col]) : 0.0f;
-        for (int64_t m = 0; m < M; ++m) y[m * N + col] = f2bf(c[b][r][m] + bv);
-      }
+    for (int b = 0; b < nb; ++b) store_tile(M, N, n + 16 * b, c[b], bias, y);
   }
 }
 #endif

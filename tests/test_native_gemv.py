@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pask import native_gemv as ng
@@ -139,3 +139,36 @@ def test_bf16_io_decode_step_routing(gemv, monkeypatch):
     )
     lin(torch.randn(2, 40, 64).bfloat16())  # 80 rows: a prefill
     assert calls == [(3, 1, 64)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, ng.MAX_ROWS),
+    k32=st.integers(1, 6),
+    n16=st.integers(1, 9),
+    bias=st.booleans(),
+    amx=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(m=16, k32=1, n16=4, bias=True, amx=True, seed=0)
+def test_bf16_io_rounds_to_nearest_even_on_both_paths(m, k32, n16, bias, amx, seed):
+    """Small integers make every sum exact in fp32, so the only rounding is the final one: the output
+    must equal the exact sum rounded to nearest even, bit for bit (tiles' vector epilogue and the dot
+    products' scalar one alike); an infinite bias stays infinite, a NaN one NaN."""
+    if not ng.has_bf16_io():
+        pytest.skip("no AVX512-BF16 gemv here")
+    gen = torch.Generator().manual_seed(seed)
+    k, n = 32 * k32, 16 * n16
+    x = torch.randint(-16, 17, (m, k), generator=gen).bfloat16()
+    w = torch.randint(-16, 17, (n, k), generator=gen).bfloat16()
+    b = torch.randint(-300, 301, (n,), generator=gen).bfloat16() if bias else None
+    if bias:
+        b[0], b[-1] = float("inf"), float("nan")
+    want = F.linear(x.double(), w.double(), None if b is None else b.double()).bfloat16()
+    ng.use_amx(amx)
+    try:
+        got = ng.linear_bf16(x, w, b)
+    finally:
+        ng.use_amx(True)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
