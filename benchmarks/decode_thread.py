@@ -9,9 +9,14 @@ random K/V (every token BF16, the Full KV case) and times decode steps (medians,
 
 * ``main``: in the main thread;
 * ``thread``: in a second thread, the main thread holding no pool (``load_model`` loads in a
-  thread of its own, :func:`pask.models.in_own_thread`);
+  thread of its own, :func:`pask.models.in_own_thread`; the pool the native kernels' start-up
+  probes leave in the main thread is released first);
 * ``thread, pool in main``: the same after the main thread ran one parallel region (what loading
-  the model in the main thread used to leave behind).
+  the model in the main thread, or probing the native kernels there, leaves behind);
+* ``thread, pool in main released``: the same after :func:`pask.openmp.release_pool` in the main
+  thread (what the server does before its decode thread starts).
+
+The decode linears are computed as the server computes them (:func:`pask.bf16_matmul.serving_mode`).
 
 Writes ``benchmarks/results/decode_thread.{json,md}``.
 """
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pask import bf16_matmul, openmp
 from pask.kv.attention import enable_pask_attention
 from pask.kv.cache import CacheConfig, TieredCache
 from pask.models import in_own_thread, load_model
@@ -48,6 +54,7 @@ def main() -> None:
     lm = load_model(args.model)
     m, cfg = lm.model, lm.model.config
     enable_pask_attention(m)
+    linears = bf16_matmul.apply_gemv(m, bf16_matmul.serving_mode())
     b, n = args.batch, args.context
     d = cfg.hidden_size // cfg.num_attention_heads
 
@@ -60,7 +67,8 @@ def main() -> None:
         return cache
 
     cache = in_own_thread(build)
-    times: dict[str, list[float]] = {"main": [], "thread": [], "thread, pool in main": []}
+    keys = ("main", "thread", "thread, pool in main", "thread, pool in main released")
+    times: dict[str, list[float]] = {k: [] for k in keys}
     pos = [n]
 
     def steps(key: str) -> None:
@@ -72,14 +80,25 @@ def main() -> None:
                 times[key].append(time.perf_counter() - t)
                 pos[0] += 1
 
-    for _ in range(args.rounds):  # no pool in the main thread yet: thread first, then main (creates it)
+    openmp.release_pool()  # the native kernels' probes ran here
+    for _ in range(args.rounds):  # no pool in the main thread: thread first, then main (creates it)
         in_own_thread(lambda: steps("thread"))
     for _ in range(args.rounds):
         steps("main")
         in_own_thread(lambda: steps("thread, pool in main"))
+        openmp.release_pool()
+        in_own_thread(lambda: steps("thread, pool in main released"))
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     command = "python benchmarks/decode_thread.py " + shlex.join(sys.argv[1:])
-    result = {"command": command, "model": lm.name, "batch": b, "context": n, "threads": args.threads, "step_ms": ms}
+    result = {
+        "command": command,
+        "model": lm.name,
+        "batch": b,
+        "context": n,
+        "threads": args.threads,
+        "gemv_linears": linears,
+        "step_ms": ms,
+    }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
@@ -88,7 +107,8 @@ def main() -> None:
         f"Command: `{command}`",
         "",
         f"{lm.name}, bf16, batch {b}, {n} cached tokens (random K/V, every token BF16), {args.threads} threads, "
-        f"medians of {args.steps * args.rounds} steps per row.",
+        f"medians of {args.steps * args.rounds} steps per row; "
+        f"{linears} linears on the native bf16 GEMV (0: PyTorch's GEMM).",
         "",
         "| where the step runs | step ms | x main |",
         "|---|---:|---:|",

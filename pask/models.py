@@ -255,8 +255,9 @@ def in_own_thread(fn: Callable[[], T]) -> T:
     CPU has cores, libgomp stops spin-waiting between regions: every region then wakes its workers
     from sleep. A pool left behind by loading a model in the main thread made decode steps in a
     second thread 13-14 % slower (``python benchmarks/decode_thread.py``; the server decodes in its
-    own thread, though ``pask bench serve`` runs showed no such difference). A thread that ends
-    takes its pool with it.
+    own thread). A thread that ends takes its pool with it; a pool that other code leaves in the
+    main thread (the native kernels' start-up probes) is ended by :func:`pask.openmp.release_pool`,
+    which the server calls before its decode thread starts.
     """
     box: dict = {}
 

@@ -268,9 +268,11 @@ def run_policy(
     import httpx2 as httpx
     import uvicorn
 
+    from pask import openmp
     from pask.serving.server import Service, create_app
 
     service = Service.build(lm, factory, cfg.capacity_tokens, default_max_tokens=cfg.output_len)
+    openmp.release_pool()  # whatever this thread ran in parallel since: see pask.openmp
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

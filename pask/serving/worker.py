@@ -19,6 +19,7 @@ import traceback
 
 import torch
 
+from pask import openmp
 from pask.serving.metrics import Metrics
 from pask.serving.scheduler import Job, Scheduler
 
@@ -40,6 +41,8 @@ class Worker:
         self._publish()
 
     def start(self) -> None:
+        """Start the decode thread, first ending the OpenMP pool of the calling thread (see :mod:`pask.openmp`)."""
+        openmp.release_pool()
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
