@@ -27,6 +27,24 @@ def test_allowed_tokens_unpacks_the_bitmask(ids, limit):
         assert got.tolist() == sorted(ids)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    words=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=12),
+    cut=st.integers(0, 31),
+    limit=st.integers(1, 400),
+)
+def test_allowed_tokens_matches_unpacking_every_bit(words, cut, limit):
+    """Any words (sign bit included), a vocabulary ending inside the last word: the ids of the set
+    bits below the vocabulary, or None past ``limit``."""
+    vocab = 32 * len(words) - cut
+    row = torch.tensor(words, dtype=torch.int32)
+    want = [t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1]
+    got = allowed_tokens(row, vocab, limit)
+    assert (got is None) == (len(want) > limit)
+    if got is not None:
+        assert got.dtype == torch.int64 and got.tolist() == want
+
+
 def test_allowed_tokens_stops_at_the_vocabulary():
     mask = allocate_mask(1, 70)
     mask.fill_(-1)  # every bit set, incl. the padding bits past the vocabulary

@@ -75,6 +75,25 @@ class Constraint:
         self._m.rollback(n)
 
 
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def fill_masks(rows: list[tuple[Constraint, int]], bitmask: torch.Tensor) -> None:
+    """:meth:`Constraint.mask` for several ``(constraint, row)`` at once, on llguidance's own thread
+    pool (``torch.get_num_threads()`` threads, the GIL released): one call for a decode step's batch."""
+    global _EXECUTOR
+    if len(rows) <= 1:
+        for c, i in rows:
+            c.mask(bitmask, i)
+        return
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+    llt.fill_next_token_bitmask_par(_EXECUTOR, [(c._m, i) for c, i in rows], bitmask)
+    for c, _ in rows:
+        if c._m.is_error():
+            raise SchemaError(f"grammar error: {c._m.get_error()}")
+
+
 def allocate_mask(batch: int, vocab_size: int) -> torch.Tensor:
     return llt.allocate_token_bitmask(batch, vocab_size)
 
