@@ -114,8 +114,8 @@ def apply_gemv(model: torch.nn.Module, how: str | None = None) -> int:
     ``nn.Linear`` layers to the native bf16 GEMV (AVX512-BF16; AMX tiles where allowed). Returns the
     number of layers changed (0 in other modes, on other CPUs or without the kernel).
 
-    On the AVX-512 + AMX machine a batch-8 decode step of qwen2.5-coder-0.5b takes 95.4 ms with it
-    against 118.7 ms with PyTorch's GEMM (``benchmarks/results/bf16_matmul.md``). Opt-in for
+    On the AVX-512 + AMX machine a batch-8 decode step of qwen2.5-coder-0.5b takes 73.4 ms with it
+    against 88.0 ms with PyTorch's GEMM (``benchmarks/results/bf16_matmul.md``). Opt-in for
     evaluations (its summation order differs from PyTorch's GEMM, which the committed cells used);
     the server takes it by default (:func:`serving_mode`).
     """
