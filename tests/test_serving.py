@@ -453,7 +453,10 @@ def test_bench_serve_smoke(smol, tmp_path):
         assert 0 < r["prefill_s"] < r["wall_s"] and r["decode_tps"] > r["throughput_tps"] > 0
         assert 0 < r["step_ms"] <= r["tpot_ms"]  # TPOT also holds the stalls for the other request's prefill
         assert (r["step_ms_at_c"] is None) == (r["steps_at_c"] == 0)
-    assert full["decode_throughput_gain"] == 1.0 and full["step_speedup"] == 1.0
+    assert full["decode_throughput_gain"] == 1.0 and full["step_speedup"] == 1.0 and full["request_gain"] == 1.0
+    for r in (full, snap):
+        assert r["request_rate"] == pytest.approx(r["requests"] / r["wall_s"])
+    assert snap["request_gain"] == pytest.approx(snap["request_rate"] / full["request_rate"])
     assert snap["b_avg"] == pytest.approx(0.4, abs=0.05) and snap["peak_kv_ratio"] < 0.6
     assert 1.0 < snap["bandwidth_limit"] < 1.2
     js, md = write(result, tmp_path / "serving")

@@ -402,6 +402,10 @@ def bench_serve(
         results[name] = run_policy(lm, name, factories[name], bodies, cfg, on_request)
     ref = results.get(REF_POLICY)  # without Full KV in the run (a soak test) the ratios stay empty
     context = cfg.input_len + cfg.output_len / 2
+
+    def rate(r: PolicyResult) -> float:
+        return r.requests / r.wall_s if r.wall_s else 0.0
+
     rows = []
     for r in results.values():
         b = r.b_avg if r.b_avg is not None else 1.0
@@ -420,6 +424,8 @@ def bench_serve(
                 "step_share_of_limit": (step - 1) / (limit - 1) if step and limit > 1 + 1e-9 else None,
                 "throughput_gain": r.throughput_tps / ref.throughput_tps if ref and ref.throughput_tps else None,
                 "decode_throughput_gain": r.decode_tps / ref.decode_tps if ref and ref.decode_tps else None,
+                "request_rate": rate(r),  # requests finished per second of wall time
+                "request_gain": rate(r) / rate(ref) if ref and rate(ref) else None,
                 "peak_kv_ratio": r.peak_kv_bytes / ref.peak_kv_bytes if ref and ref.peak_kv_bytes else None,
             }
         )
@@ -445,9 +451,9 @@ def markdown(result: dict) -> str:
         f"KV capacity {cap} tokens; prefills {result.get('prefills', 'computed')}"
         f"{'; decode linears: ' + result['decode_linears'] if result.get('decode_linears') else ''}\n\n"
         "| policy | B (avg) | TPOT ms | TPOT speed-up | step ms | step speed-up | step ms at batch c (steps) "
-        "| x Full | bandwidth limit | throughput tok/s "
-        "| x Full | prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| x Full | bandwidth limit | throughput tok/s | x Full | tokens out | requests/s | x Full "
+        "| prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
 
     def f(x, fmt: str) -> str:
@@ -470,6 +476,9 @@ def markdown(result: dict) -> str:
             fx(r["bandwidth_limit"]),
             f(r["throughput_tps"], ".2f"),
             fx(r["throughput_gain"]),
+            str(r["completion_tokens"]),
+            f(r.get("request_rate"), ".3f"),
+            fx(r.get("request_gain")),
             f(r.get("prefill_s"), ".1f"),
             f(r.get("decode_tps"), ".2f"),
             fx(r.get("decode_throughput_gain")),
