@@ -49,9 +49,9 @@ def release_pool() -> bool:
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
 
 
-def thread_count() -> int:
-    """Threads of this process (``/proc/self/task``; ``threading.active_count()`` elsewhere)."""
+def thread_ids() -> set[int]:
+    """Native ids of this process's threads (``/proc/self/task``; the Python threads' ids elsewhere)."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        return {int(t) for t in os.listdir("/proc/self/task")}
     except OSError:
-        return threading.active_count()
+        return {t.native_id for t in threading.enumerate() if t.native_id is not None}
