@@ -75,23 +75,14 @@ class Constraint:
         self._m.rollback(n)
 
 
-_EXECUTOR: llguidance.LLExecutor | None = None
-
-
 def fill_masks(rows: list[tuple[Constraint, int]], bitmask: torch.Tensor) -> None:
-    """:meth:`Constraint.mask` for several ``(constraint, row)`` at once, on llguidance's own thread
-    pool (``torch.get_num_threads()`` threads, the GIL released): one call for a decode step's batch."""
-    global _EXECUTOR
-    if len(rows) <= 1:
-        for c, i in rows:
-            c.mask(bitmask, i)
-        return
-    if _EXECUTOR is None:
-        _EXECUTOR = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
-    llt.fill_next_token_bitmask_par(_EXECUTOR, [(c._m, i) for c, i in rows], bitmask)
-    for c, _ in rows:
-        if c._m.is_error():
-            raise SchemaError(f"grammar error: {c._m.get_error()}")
+    """:meth:`Constraint.mask` for each ``(constraint, row)`` of a decode step, one after another.
+
+    llguidance's parallel fill (``LLExecutor``, ``fill_next_token_bitmask_par``) was tried here and
+    was slower in paired served runs on 2 cores (the masks and the decode linears after them): its
+    threads compete with the decode thread's spinning OpenMP worker."""
+    for c, i in rows:
+        c.mask(bitmask, i)
 
 
 def allocate_mask(batch: int, vocab_size: int) -> torch.Tensor:
