@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pask.models import LoadedModel
-from pask.structure.constraint import Constraint, allocate_mask, apply_mask, fill_masks, ll_tokenizer
+from pask.structure.constraint import Constraint, allocate_mask, apply_mask, ll_tokenizer
 
 
 @dataclass
@@ -115,16 +115,18 @@ _NOTHING = torch.empty(0, dtype=torch.long)
 
 
 def plan_head(head, requests: list[Request], live: list[bool], bitmask: torch.Tensor, vocab: int) -> None:
-    """Fill the next step's masks of the live constrained rows and give ``head`` their allowed tokens."""
+    """Fill the next step's masks of the live constrained rows and give ``head`` their allowed tokens.
+
+    The masks are filled one row after another: llguidance's parallel fill (``LLExecutor``) was slower
+    in paired served runs on 2 cores (its threads compete with the decode thread's OpenMP worker)."""
     from pask.masked_head import allowed_tokens
 
-    rows = [(r.constraint, i) for i, r in enumerate(requests) if live[i] and r.constraint is not None]
-    fill_masks(rows, bitmask)
     plan: list[torch.Tensor | None] = []
     for i, r in enumerate(requests):
         if not live[i]:
             plan.append(_NOTHING)  # a finished row still in the batch needs no logits
         elif r.constraint is not None:
+            r.constraint.mask(bitmask, i)
             plan.append(allowed_tokens(bitmask[i], vocab))
         else:
             plan.append(None)

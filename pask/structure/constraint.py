@@ -75,16 +75,6 @@ class Constraint:
         self._m.rollback(n)
 
 
-def fill_masks(rows: list[tuple[Constraint, int]], bitmask: torch.Tensor) -> None:
-    """:meth:`Constraint.mask` for each ``(constraint, row)`` of a decode step, one after another.
-
-    llguidance's parallel fill (``LLExecutor``, ``fill_next_token_bitmask_par``) was tried here and
-    was slower in paired served runs on 2 cores (the masks and the decode linears after them): its
-    threads compete with the decode thread's spinning OpenMP worker."""
-    for c, i in rows:
-        c.mask(bitmask, i)
-
-
 def allocate_mask(batch: int, vocab_size: int) -> torch.Tensor:
     return llt.allocate_token_bitmask(batch, vocab_size)
 
