@@ -713,14 +713,13 @@ def serve(
 def _serving_model(model: str, dtype: str):
     """The model as the server runs it: decode GEMVs on the native bf16 kernel where
     :func:`pask.bf16_matmul.serving_mode` says so."""
-    from pask import bf16_matmul, openmp
+    from pask import bf16_matmul
     from pask.models import load_model
 
     lm = load_model(model, dtype=_dtype(dtype))
     lm.model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(lm.model, bf16_matmul.serving_mode())
     gc.collect()
     gc.freeze()  # the model's objects leave the collector's generations: no full collection walks them mid-step
-    openmp.release_pool()  # the native probes' OpenMP pool: the decode thread's regions would sleep between steps
     return lm
 
 
