@@ -10,7 +10,7 @@
 // Work split: chunks of output columns over OpenMP threads; per column up to 8 rows at a time,
 // each with its own accumulator chain (fewer rows get more partial sums per row, so that 8
 // independent FMA chains hide the FMA latency), over slices of the reduction that keep x in L1.
-// pask_linear_bf16_io (CPUs with AVX512-BF16; opt-in, PASK_BF16_MATMUL=gemv): bf16 in and out, on
+// pask_linear_bf16_io (CPUs with AVX512-BF16; PASK_BF16_MATMUL=gemv, the server's default): bf16 in and out, on
 // AMX tiles where the OS grants them, else bf16 dot products.
 #include <omp.h>
 

@@ -83,6 +83,15 @@ def test_disabled_by_environment_and_missing_compiler(monkeypatch, tmp_path):
         ng.linear(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16))
 
 
+def _linear_bf16(x, w, b, amx: bool):
+    """ng.linear_bf16 with the AMX tiles on or off, on again afterwards."""
+    ng.use_amx(amx)
+    try:
+        return ng.linear_bf16(x, w, b)
+    finally:
+        ng.use_amx(True)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     m=st.integers(1, ng.MAX_ROWS),
@@ -104,11 +113,7 @@ def test_bf16_io_rounds_the_fp32_sum_once(m, k8, n, bias, scale, amx, seed):
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    ng.use_amx(amx)
-    try:
-        got = ng.linear_bf16(x, w, b)
-    finally:
-        ng.use_amx(True)
+    got = _linear_bf16(x, w, b, amx)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 1, n)
     sums = (x.float().abs() @ w.float().abs().T).amax() * 1e-5 + 1e-6  # summation order
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + sums).all()  # + one bf16 rounding
@@ -165,10 +170,6 @@ def test_bf16_io_rounds_to_nearest_even_on_both_paths(m, k32, n16, bias, amx, se
     if bias:
         b[0], b[-1] = float("inf"), float("nan")
     want = F.linear(x.double(), w.double(), None if b is None else b.double()).bfloat16()
-    ng.use_amx(amx)
-    try:
-        got = ng.linear_bf16(x, w, b)
-    finally:
-        ng.use_amx(True)
+    got = _linear_bf16(x, w, b, amx)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
