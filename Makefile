@@ -28,7 +28,7 @@ model-1.5b: $(STAMP)  ## optional: the second embedded model (~1 GB of part pack
 
 run: $(STAMP)  ## the main job: Full KV vs PASK vs KIVI-4 at B = 0.33 on a stratified BFCL test sample
 	$(VENV)/bin/pask sweep --config benchmarks/make_run.toml --threads $(THREADS)
-	$(VENV)/bin/pask report runs/make-run --out runs/make-run/report --table tables/qwen2.5-coder-0.5b-bfcl-b0.33.json
+	$(VENV)/bin/pask report runs/make-run --out runs/make-run/report --table pask/tables/qwen2.5-coder-0.5b-bfcl-b0.33.json
 
 test: $(STAMP)  ## the test suite (fast tiny-model tests + a few real-model checks marked slow)
 	$(PY) -m pytest -q

@@ -9,7 +9,6 @@ back on the same cases; compare the ratio, not the absolute numbers (machines ar
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
@@ -19,7 +18,8 @@ from pathlib import Path
 import torch
 
 from pask.evaluation.run_bfcl import run_bfcl
-from pask.models import load_model
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.runtime.models import load_model
 from pask.tasks.function_calling import NON_LIVE, load_cases
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -31,7 +31,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=6, help="cases per non-live category")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--threads", type=int, default=2)
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    check_clean(OUT / "batching", args.allow_dirty)
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     cases = load_cases(list(NON_LIVE), split="test", limit=args.limit)
@@ -56,8 +58,6 @@ def main() -> None:
         r["speedup_vs_first"] = round(r["cases_per_s"] / base, 2)
     command = "python benchmarks/batching.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = {"command": command, "model": lm.name, "threads": args.threads, "torch": torch.__version__, "runs": rows}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "batching.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# Batching: BFCL cases per second (Full KV)",
         "",
@@ -71,7 +71,8 @@ def main() -> None:
         lines.append(
             f"| {r['batch_size']} | {r['wall_s']} | {r['cases_per_s']} | {r['speedup_vs_first']}x | {r['accuracy']} |"
         )
-    (OUT / "batching.md").write_text("\n".join(lines) + "\n")
+    md = "\n".join(lines) + "\n"
+    write_result(OUT / "batching", result, md, command=command, allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""BF16 model speed with native bf16 GEMMs vs fp32 products (``pask.bf16_matmul``) on this CPU.
+"""BF16 model speed with native bf16 GEMMs vs fp32 products (``pask.cpu.bf16_matmul``) on this CPU.
 
     .venv/bin/python benchmarks/bf16_matmul.py [--model qwen2.5-coder-0.5b] [--prompt 512] [--threads 2]
 
 Loads the model in bf16 once per mode (``PASK_BF16_MATMUL=native``, ``fp32``, ``fp32-weights`` and,
 on CPUs with AVX512-BF16, ``gemv``; ``fp32-weights`` also with the native gemv of
-:mod:`pask.native_gemv` switched off, i.e.
+:mod:`pask.cpu.native_gemv` switched off, i.e.
 PyTorch's GEMV on the fp32 weight copy for decode steps) and times, interleaved, a prefill of
 ``--prompt`` tokens (batch 1) and decode steps at each of ``--batches`` over ``--context`` cached
 tokens; also the largest logit difference of the prefill against the native mode and whether the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import shlex
 import statistics
@@ -26,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from pask import bf16_matmul, native_gemv
-from pask.models import load_model
+from pask.cpu import bf16_matmul, native_gemv
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.runtime.models import load_model
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -60,7 +60,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="8,16", help="decode batch sizes, comma-separated")
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    check_clean(OUT / "bf16_matmul", args.allow_dirty)
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -117,8 +119,6 @@ def main() -> None:
         "max_logit_diff": diff,
         "same_greedy_token": same,
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bf16_matmul.json").write_text(json.dumps(out, indent=2) + "\n")
     n = res["native"]
     names = {
         "native": "native bf16",
@@ -151,13 +151,13 @@ def main() -> None:
     lines += [
         "",
         f"Decode steps (at most {native_gemv.MAX_ROWS} rows) go to the native bf16-weight gemv "
-        f"(`pask/native_gemv.cpp`, status: {out['native_gemv']}) in `fp32` and `fp32-weights`; "
+        f"(`pask/cpu/native_gemv.cpp`, status: {out['native_gemv']}) in `fp32` and `fp32-weights`; "
         "`fp32-weights` keeps an fp32 copy of every linear weight (3x the weight memory) for the other "
         "inputs; the `PyTorch GEMV` row switches the native gemv off, so its decode steps use the fp32 "
         "copy (the mode before the native gemv). `gemv` (CPUs with AVX512-BF16): PyTorch's bf16 GEMM "
         f"for prefills, the native bf16-in/out GEMV ({native_gemv.isa()}) for decode steps.",
     ]
-    (OUT / "bf16_matmul.md").write_text("\n".join(lines) + "\n")
+    write_result(OUT / "bf16_matmul", out, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
     print("\n".join(lines))
 
 

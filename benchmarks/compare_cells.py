@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from pask.evaluation.case_rows import read_done
-from pask.report import sign_test_p
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.experiments.report import sign_test_p
 
 ROOT = Path(__file__).resolve().parent
 
@@ -71,14 +72,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("new", nargs="+", type=Path, help="evaluation output directories (cases.jsonl)")
     ap.add_argument("--cells", type=Path, default=ROOT / "results/paper/qwen2.5-coder-0.5b/bfcl/test")
-    ap.add_argument("--out", type=Path, help="write the markdown here too")
+    ap.add_argument("--out", type=Path, help="write the markdown here too (OUT.md, and OUT.json with the inputs)")
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    if args.out:
+        check_clean(args.out, args.allow_dirty)
     md = compare(args.new, args.cells)
     command = "python benchmarks/compare_cells.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     md = f"Command: `{command}`\n\n" + md
     print(md)
     if args.out:
-        args.out.write_text(md)
+        data = {"command": command, "new": [str(d) for d in args.new], "cells": str(args.cells)}
+        write_result(args.out, data, md, command=command, allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ table goes to OUT/summary.md and OUT/summary.json with the command that produced
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -20,7 +19,8 @@ import torch
 
 from pask.cli import make_policy
 from pask.evaluation.run_bfcl import LIVE_ORDER, TABLE_ORDER, run_bfcl
-from pask.models import load_model
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.runtime.models import load_model
 from pask.tasks.function_calling import NON_LIVE, load_cases
 
 
@@ -35,9 +35,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
+    add_allow_dirty(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = args.out or Path(__file__).resolve().parent / "results" / f"compare-b{args.budget}"
+    check_clean(out, args.allow_dirty)
     command = "python benchmarks/compare_policies.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     lm = load_model(args.model)
     cases = load_cases(args.categories.split(","), split=args.split, limit=args.limit)
@@ -49,7 +51,6 @@ def main() -> None:
         summary = run_bfcl(lm, cases, out / name, args.batch_size, policy=policy, meta=meta)
         rows.append({"policy": name, "wall_s": round(time.perf_counter() - t0, 1), **summary})
         print(name, summary["overall"]["accuracy"], summary["measured_b"], flush=True)
-    (out / "summary.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
     cats = [c for c in (*TABLE_ORDER, *LIVE_ORDER) if c in rows[0]["categories"]]
     lines = [
         f"# BFCL {args.split} sample: policies at target B = {args.budget}",
@@ -64,7 +65,8 @@ def main() -> None:
     for r in rows:
         accs = " | ".join(f"{r['categories'][c]['accuracy']:.2f}" for c in cats)
         lines.append(f"| {r['policy']} | {r['measured_b']:.3f} | {accs} | {r['overall']['accuracy']:.2f} |")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    data = {"command": command, "rows": rows}
+    write_result(out / "summary", data, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
     print("\n".join(lines))
 
 

@@ -15,12 +15,13 @@ continuous`` rerun): identical outputs, EX and measured B of each. Results:
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 
 OUT = Path(__file__).resolve().parent / "results" / "continuous-batching"
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,14 +57,14 @@ def run_both(args) -> dict:
 
     from pask.cli import _policy_builder
     from pask.evaluation.run_sql import run_sql, select_cases
-    from pask.models import load_model
+    from pask.runtime.models import load_model
 
     torch.set_num_threads(args.threads)
     if args.prefill_store:
         import os
 
         os.environ["PASK_PREFILL_STORE"] = str(args.prefill_store)
-    table = ROOT / f"tables/{args.model}-sql-b{args.budget:g}.json" if args.policy == "pask" else None
+    table = ROOT / f"pask/tables/{args.model}-sql-b{args.budget:g}.json" if args.policy == "pask" else None
     build = _policy_builder("sql", args.policy, args.budget if args.policy != "full" else None, None, table, False)
     lm = load_model(args.model)
     cases = select_cases("test", args.limit)
@@ -120,8 +121,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill-store", type=Path)
     ap.add_argument("--name", help="results file name (default: from the arguments)")
+    add_allow_dirty(ap)
     args = ap.parse_args()
     command = "python benchmarks/continuous_batching.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    check_clean(OUT, args.allow_dirty)
     if args.compare:
         a, b = args.compare
         result = {"command": command, "a": str(a), "b": str(b), **compare(_rows(a), _rows(b))}
@@ -129,9 +132,7 @@ def main() -> None:
     else:
         result = {"command": command, **run_both(args)}
         name = args.name or f"{args.policy}-b{args.budget:g}-first{args.limit}"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (OUT / f"{name}.md").write_text(markdown(result))
+    write_result(OUT / name, result, markdown(result), command=command, allow_dirty=args.allow_dirty)
     print(markdown(result))
 
 

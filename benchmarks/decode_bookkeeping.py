@@ -5,8 +5,8 @@
 Qwen2.5-Coder-0.5B's KV layout (24 layers in 4 groups, 2 KV heads, head_dim 64, bf16), random K/V,
 ``--batch`` rows of ``--prompt`` tokens. One step = the new token of every row stored in all 24
 layers (what the model's forward does through ``TieredCache.update``), then per row the decision
-on the token leaving the recent window (:func:`pask.kv.session.decide_row`) and the row's measured
-budget (:func:`pask.kv.session.row_budget`), as the server's scheduler does after each forward.
+on the token leaving the recent window (:func:`pask.runtime.session.decide_row`) and the row's measured
+budget (:func:`pask.runtime.session.row_budget`), as the server's scheduler does after each forward.
 Two workloads: ``appends`` (the leaving token stays H: no moves) and ``moves`` (it goes INT4 in two
 layer groups and is released in a third: three cache actions per row and step). Each runs with the
 native kernels (``CacheConfig.native``: one call per layer for the appends, one per group for an
@@ -17,7 +17,6 @@ INT4 move) and without them (PyTorch row by row), interleaved; medians of ``--re
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -27,10 +26,11 @@ from types import SimpleNamespace
 
 import torch
 
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 from pask.kv import Action
 from pask.kv import native_attention as na
 from pask.kv.cache import CacheConfig, TieredCache
-from pask.kv.session import decide_row, row_budget
+from pask.runtime.session import decide_row, row_budget
 
 OUT = Path(__file__).resolve().parent / "results"
 QWEN_05B = SimpleNamespace(
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT / "decode_bookkeeping")
+    add_allow_dirty(ap)
     args = ap.parse_args(argv)
+    check_clean(args.out, args.allow_dirty)
     if min(args.batch, args.prompt, args.steps, args.repeats, args.threads) < 1:
         ap.error("--batch, --prompt, --steps, --repeats and --threads must be >= 1")
     if args.prompt <= CacheConfig().recent_window:
@@ -108,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/decode_bookkeeping.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}
     result["command"] = command.strip()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     md = [
         "# Cache bookkeeping per batched decode step (outside attention)",
         "",
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|",
         *[f"| {r['workload']} | {r['native_ms']:.2f} | {r['pytorch_ms']:.2f} | {r['speedup']:.2f}x |" for r in rows],
     ]
-    args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    text = "\n".join(md) + "\n"
+    write_result(args.out, result, text, command=result["command"], allow_dirty=args.allow_dirty)
     return 0
 
 

@@ -9,14 +9,14 @@ random K/V (every token BF16, the Full KV case) and times decode steps (medians,
 
 * ``main``: in the main thread;
 * ``thread``: in a second thread, the main thread holding no pool (``load_model`` loads in a
-  thread of its own, :func:`pask.models.in_own_thread`; the pool the native kernels' start-up
+  thread of its own, :func:`pask.runtime.models.in_own_thread`; the pool the native kernels' start-up
   probes leave in the main thread is released first);
 * ``thread, pool in main``: the same after the main thread ran one parallel region (what loading
   the model in the main thread, or probing the native kernels there, leaves behind);
-* ``thread, pool in main released``: the same after :func:`pask.openmp.release_pool` in the main
+* ``thread, pool in main released``: the same after :func:`pask.cpu.openmp.release_pool` in the main
   thread (what the server does before its decode thread starts).
 
-The decode linears are computed as the server computes them (:func:`pask.bf16_matmul.serving_mode`).
+The decode linears are computed as the server computes them (:func:`pask.cpu.bf16_matmul.serving_mode`).
 
 Writes ``benchmarks/results/decode_thread.{json,md}``.
 """
@@ -24,7 +24,6 @@ Writes ``benchmarks/results/decode_thread.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -33,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from pask import bf16_matmul, openmp
+from pask.cpu import bf16_matmul, openmp
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 from pask.kv.attention import enable_pask_attention
 from pask.kv.cache import CacheConfig, TieredCache
-from pask.models import in_own_thread, load_model
+from pask.runtime.models import in_own_thread, load_model
 
 OUT = Path(__file__).resolve().parent / "results" / "decode_thread"
 
@@ -49,7 +49,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps per setting and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    check_clean(OUT, args.allow_dirty)
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     m, cfg = lm.model, lm.model.config
@@ -99,8 +101,6 @@ def main() -> None:
         "gemv_linears": linears,
         "step_ms": ms,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# Decode step: main thread vs another thread (OpenMP pools)",
         "",
@@ -116,7 +116,7 @@ def main() -> None:
     for k, v in ms.items():
         lines.append(f"| {k} | {v:.1f} | {ms['main'] / v:.2f}x |")
     text = "\n".join(lines) + "\n"
-    OUT.with_suffix(".md").write_text(text)
+    write_result(OUT, result, text, command=command, allow_dirty=args.allow_dirty)
     print(text)
 
 

@@ -4,7 +4,7 @@
 
 Takes the shapes of every ``nn.Linear`` of the model's decoder layers (not the LM head), allocates
 ``--copies`` sets of random bf16 weights of those shapes (so that a pass does not find them in the
-last-level cache) and times passes over one set after another with :func:`pask.native_gemv.linear_bf16`
+last-level cache) and times passes over one set after another with :func:`pask.cpu.native_gemv.linear_bf16`
 at each batch size (rows), as a decode step calls them. Reports milliseconds per model pass and the
 weight bytes read per second. Compare with the "linear layers" part of
 ``benchmarks/serve_breakdown.py`` to see what the server adds. Writes
@@ -14,7 +14,6 @@ weight bytes read per second. Compare with the "linear layers" part of
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -23,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from pask import native_gemv
+from pask.cpu import native_gemv
 from pask.errors import PaskError
-from pask.models import load_model
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.runtime.models import load_model
 
 OUT = Path(__file__).resolve().parent / "results" / "gemv_stream"
 
@@ -37,7 +37,9 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4, help="weight sets cycled through (beat the cache)")
     ap.add_argument("--passes", type=int, default=12, help="timed passes per batch size")
     ap.add_argument("--threads", type=int, default=2)
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    check_clean(OUT, args.allow_dirty)
     rows = [int(r) for r in args.rows.split(",")]
     if any(not 1 <= r <= native_gemv.MAX_ROWS for r in rows) or args.copies < 1 or args.passes < 1:
         raise SystemExit(f"--rows must lie in 1..{native_gemv.MAX_ROWS}; --copies and --passes >= 1")
@@ -83,8 +85,6 @@ def main() -> None:
         "isa": native_gemv.isa(),
         "rows": res,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps(out, indent=2) + "\n")
     lines = [
         "# Decode linears on the native bf16 GEMV, outside the server",
         "",
@@ -99,7 +99,7 @@ def main() -> None:
     ]
     lines += [f"| {m} | {r['ms']:.1f} | {r['gb_s']:.1f} |" for m, r in res.items()]
     text = "\n".join(lines) + "\n"
-    OUT.with_suffix(".md").write_text(text)
+    write_result(OUT, out, text, command=command, allow_dirty=args.allow_dirty)
     print(text)
 
 

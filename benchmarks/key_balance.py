@@ -14,7 +14,6 @@ the attention output (input of ``o_proj``) against the all-H replay is averaged.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -22,11 +21,12 @@ from pathlib import Path
 import torch
 
 from pask.calibration.distortion import DistortionSum, forced_capture
-from pask.engine import generate
 from pask.evaluation.run_bfcl import prepare
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 from pask.kv.cache import CacheConfig
-from pask.models import load_model
 from pask.policies import get_policy
+from pask.runtime.engine import generate
+from pask.runtime.models import load_model
 from pask.tasks.function_calling import NON_LIVE, load_cases
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -38,7 +38,9 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=1, help="dev cases per non-live category")
     ap.add_argument("--tokens", type=int, default=24, help="generated tokens replayed per case")
     ap.add_argument("--threads", type=int, default=2)
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    check_clean(OUT / "key_balance", args.allow_dirty)
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     cases = load_cases(list(NON_LIVE), split="dev", limit=args.cases)
@@ -60,8 +62,6 @@ def main() -> None:
         rows[name] = (acc.err / max(acc.steps, 1)).tolist()
     command = "python benchmarks/key_balance.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = {"command": command, "model": lm.name, "cases": [c.id for c in cases], "tokens": args.tokens, **rows}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "key_balance.json").write_text(json.dumps(result, indent=2) + "\n")
     names = list(rows)
     lines = [
         f"# Low-bit KV: INT4 keys per token vs per-channel balanced, and INT2 ({lm.name}, bf16)",
@@ -78,7 +78,7 @@ def main() -> None:
     for i in range(lm.num_layers):
         lines.append(f"| {i} | " + " | ".join(f"{rows[n][i]:.3f}" for n in names) + " |")
     lines.append("| mean | " + " | ".join(f"{sum(rows[n]) / len(rows[n]):.3f}" for n in names) + " |")
-    (OUT / "key_balance.md").write_text("\n".join(lines) + "\n")
+    write_result(OUT / "key_balance", result, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
     print("\n".join(lines))
 
 

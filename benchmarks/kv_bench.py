@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from pask.kv.bench import bench_kv
+from pask.bench.kv import bench_kv
+from pask.experiments.provenance import add_allow_dirty, check_clean, footer, write_result
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -112,7 +113,7 @@ def summary(r: dict) -> list[str]:
         f"(`enable_gqa`, what transformers runs), {c['attention_speedup_vs_packed_gqa']:.2f}x vs SDPA with the "
         f"query packed per kv head: target {'met' if met else 'NOT met'}.",
     ]
-    native = "the native kernel (`pask/kv/native_attention.cpp`)"
+    native = "the native kernel (`pask/cpu/native_attention.cpp`)"
     kernel = native if c.get("native_kernel") else "PyTorch's fused kernels"
     lines += ["", f"Mixed runs {kernel}, the path the model runs."]
     if "h_stream" in a:
@@ -138,11 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--render-only", action="store_true", help="rewrite kv_bench.md from kv_bench.json, no run")
+    add_allow_dirty(ap)
     args = ap.parse_args(argv)
-    if args.render_only:
+    if args.render_only:  # the numbers and their provenance stay the JSON's
         result = json.loads((args.out / "kv_bench.json").read_text())
-        (args.out / "kv_bench.md").write_text(to_markdown(result["runs"], result["command"], result["seconds"]))
+        md = to_markdown(result["runs"], result["command"], result["seconds"])
+        if result.get("provenance"):
+            md = md.rstrip("\n") + "\n\n" + footer(result["provenance"])
+        (args.out / "kv_bench.md").write_text(md)
         return 0
+    check_clean(args.out, args.allow_dirty)
     command = "python benchmarks/kv_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     t0 = time.time()
     runs = [
@@ -158,10 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     seconds = time.time() - t0
     result = {"command": command.strip(), "seconds": round(seconds, 1), "runs": runs}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kv_bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "kv_bench.md").write_text(to_markdown(runs, command.strip(), seconds))
-    print((args.out / "kv_bench.md").read_text())
+    md = to_markdown(runs, command.strip(), seconds)
+    _, md_path = write_result(args.out / "kv_bench", result, md, command=command.strip(), allow_dirty=args.allow_dirty)
+    print(md_path.read_text())
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Constrained decode steps with and without the masked LM head (``pask.masked_head``), A/B in one run.
+"""Constrained decode steps with and without the masked LM head (``pask.runtime.masked_head``), A/B in one run.
 
     .venv/bin/python benchmarks/masked_head.py [--policy kivi-4] [--limit 4] [--batch-size 16] [--threads 2]
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import platform
 import shlex
@@ -21,6 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -35,14 +36,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    check_clean(OUT / "masked_head", args.allow_dirty)
     torch.set_num_threads(args.threads)
 
-    from pask import masked_head
-    from pask.engine import generate
     from pask.evaluation.run_bfcl import prepare
-    from pask.models import load_model
     from pask.policies import get_policy
+    from pask.runtime import masked_head
+    from pask.runtime.engine import generate
+    from pask.runtime.models import load_model
     from pask.structure.constraint import allocate_mask
     from pask.tasks.function_calling import load_cases
 
@@ -97,8 +100,6 @@ def main() -> None:
         "rows_full": rows.get("full", 0),
         "allowed_tokens_share": {k: round(v / steps, 3) for k, v in sorted(widths.items())},
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "masked_head.json").write_text(json.dumps(res, indent=2) + "\n")
     md = [
         "# Masked LM head: constrained decode steps with and without it",
         "",
@@ -118,7 +119,7 @@ def main() -> None:
         + ".",
         "",
     ]
-    (OUT / "masked_head.md").write_text("\n".join(md))
+    write_result(OUT / "masked_head", res, "\n".join(md), command=res["command"], allow_dirty=args.allow_dirty)
     print("\n".join(md))
 
 

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from pask.bench.kv import median_ms
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 from pask.kv import Action, CacheConfig, TieredCache, fastpath
 from pask.kv import native_attention as na
-from pask.kv.bench import median_ms
 from pask.kv.cache import attention_config
 
 OUT = Path(__file__).parent / "results" / "native_attention"
@@ -148,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
+    add_allow_dirty(ap)
     args = ap.parse_args(argv)
+    check_clean(args.out, args.allow_dirty)
     if not na.available():
         print(f"native kernel {na.status()}", file=sys.stderr)
         return 1
@@ -170,10 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["attention"].append(attention_case(args.batch, n, mix, args.repeats))
                 print(json.dumps(result["attention"][-1]), flush=True)
         result["move"] = move_case(args.batch, 2048, 100)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    md = markdown(result)
+    write_result(args.out, result, md, command=result["command"], allow_dirty=args.allow_dirty, indent=1)
+    print(md)
     return 0
 
 

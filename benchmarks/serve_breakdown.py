@@ -1,7 +1,7 @@
 """Where a served decode step goes: `pask bench serve` with timers around the model's parts.
 
     .venv/bin/python benchmarks/serve_breakdown.py --out benchmarks/results/serving/breakdown-c16 -- \\
-        --policies full,pask --budget 0.33 --table tables/qwen2.5-coder-0.5b-bfcl-b0.33.json \\
+        --policies full,pask --budget 0.33 --table pask/tables/qwen2.5-coder-0.5b-bfcl-b0.33.json \\
         --concurrency 16 --input-len 8192 --output-len 64 --requests-per-client 1 --threads 2 \\
         --prefill-store ~/.cache/pask/serve-store
 
@@ -17,12 +17,14 @@ The timers cost a little themselves (~170 linear calls per step): compare parts,
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from pask.errors import PaskError
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 
 PARTS = {
     "step": "scheduler step (all of it)",
@@ -68,9 +70,10 @@ def install(timers: Timers, concurrency: int) -> None:
     import torch
     from transformers.models.qwen2 import modeling_qwen2 as mq
 
-    from pask import bf16_matmul, masked_head
+    from pask.cpu import bf16_matmul
     from pask.kv import cache, native_attention
-    from pask.serving import scheduler as sched
+    from pask.runtime import masked_head
+    from pask.runtime import scheduler as sched
 
     native_attention.decode_layer = timers.wrap("attention", native_attention.decode_layer)
     torch.nn.Linear.forward = timers.wrap("linear", torch.nn.Linear.forward)
@@ -106,17 +109,28 @@ def install(timers: Timers, concurrency: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    add_allow_dirty(ap)
     if "--" not in argv:
+        if {"-h", "--help"} & set(argv):
+            ap.print_help()
+            return 0
         print("usage: serve_breakdown.py --out STEM -- <pask bench serve options>", file=sys.stderr)
         return 2
     cut = argv.index("--")
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv[:cut])
     bench = argv[cut + 1 :]
-    if "--out" in bench:
-        print("give --out before `--` (the benchmark's own results go next to it)", file=sys.stderr)
+    if "--out" in bench or "--allow-dirty" in bench:
+        print("give --out and --allow-dirty before `--` (the benchmark's own results go next to it)", file=sys.stderr)
         return 2
+    try:
+        check_clean(args.out, args.allow_dirty)
+    except PaskError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.allow_dirty:
+        bench.append("--allow-dirty")
     conc = 8
     if "--concurrency" in bench:
         conc = int(bench[bench.index("--concurrency") + 1])
@@ -136,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     command = "python benchmarks/serve_breakdown.py " + shlex.join(argv)
     result = {"command": command, "concurrency": conc, "steps": dict(timers.steps), "ms_per_step": per_step}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     policies = list(per_step)
     lines = [
         f"# Served decode step at batch {conc}: milliseconds per step by part",
@@ -152,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for part, label in PARTS.items():
         lines.append(f"| {label} | " + " | ".join(f"{per_step[p].get(part, 0.0):.2f}" for p in policies) + " |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_result(args.out, result, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
     print("\n".join(lines))
     return 0
 

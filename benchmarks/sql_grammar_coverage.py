@@ -12,7 +12,6 @@ Writes benchmarks/results/sql_grammar_coverage.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -23,7 +22,8 @@ from pathlib import Path
 import llguidance.hf
 from transformers import AutoTokenizer
 
-from pask.models import embedded_cache_dir
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.runtime.models import embedded_cache_dir
 from pask.structure.sql_grammar import GrammarCheck, SqlGrammarChecker
 from pask.tasks.spider_hardness import LEVELS
 from pask.tasks.text_to_sql import DEFAULT_DATA_DIR, Case, load_cases, load_schema
@@ -89,7 +89,9 @@ def main() -> None:
     ap.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="embedded model whose tokenizer is used")
     ap.add_argument("--out", type=Path, default=RESULTS / "sql_grammar_coverage")
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    check_clean(args.out, args.allow_dirty)
 
     tok_dir = embedded_cache_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -115,9 +117,8 @@ def main() -> None:
             if not check.accepted
         ],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(_markdown(report))
+    md = _markdown(report)
+    write_result(args.out, report, md, command=report["command"], allow_dirty=args.allow_dirty, indent=1)
     print(f"{accepted}/{len(results)} accepted ({100 * report['coverage']:.2f} %); wrote {args.out}.{{json,md}}")
 
 

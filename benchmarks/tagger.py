@@ -25,7 +25,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from pask.models import convert_embedded
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.runtime.models import convert_embedded
 from pask.structure.constraint import ll_tokenizer
 from pask.structure.json_tagger import JsonCallTagger
 from pask.structure.sql_tagger import SqlTagger
@@ -109,7 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-ms", type=float, default=120.0, help="decode step of the 0.5B model at batch 1")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    add_allow_dirty(ap)
     args = ap.parse_args(argv)
+    check_clean(RESULTS / "tagger", args.allow_dirty)
 
     tok = AutoTokenizer.from_pretrained(convert_embedded(args.model))
     ll = ll_tokenizer(tok, [tok.eos_token_id])
@@ -135,8 +138,6 @@ def main(argv: list[str] | None = None) -> None:
         "machine": platform.machine(),
         "results": results,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "tagger.json").write_text(json.dumps(out, indent=2) + "\n")
     lines = [
         f"Command: `{command}`",
         "",
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         "re-tokenises only the provisional tail of the query with sqlglot's pure-Python tokenizer.",
         "Timings are wall-clock on a shared machine; p99 includes scheduler noise.",
     ]
-    (RESULTS / "tagger.md").write_text("\n".join(lines) + "\n")
+    write_result(RESULTS / "tagger", out, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
     print("\n".join(lines))
 
 

@@ -5,14 +5,13 @@
 Qwen2.5-Coder-0.5B's KV layout (24 layers, 2 KV heads, head_dim 64, bf16), random K/V: one prefill
 append of ``--tokens`` slots per layer, then ``--steps`` single-token appends, timed per step, with
 the tier's first allocation as before (``headroom = 0``: doubling from ``initial_capacity``) and
-with the serving headroom (:data:`pask.serving.scheduler.SERVE_HEADROOM`). Writes
+with the serving headroom (:data:`pask.runtime.scheduler.SERVE_HEADROOM`). Writes
 ``benchmarks/results/tier_growth.{json,md}`` with the command.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -21,8 +20,9 @@ from types import SimpleNamespace
 
 import torch
 
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 from pask.kv.cache import CacheConfig, TieredCache
-from pask.serving.scheduler import SERVE_HEADROOM
+from pask.runtime.scheduler import SERVE_HEADROOM
 
 OUT = Path(__file__).resolve().parent / "results"
 QWEN_05B = SimpleNamespace(
@@ -58,14 +58,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8188, help="prompt tokens (the 8k serving bench: 8188)")
     ap.add_argument("--steps", type=int, default=8, help="decode appends to time")
     ap.add_argument("--threads", type=int, default=1)
+    add_allow_dirty(ap)
     args = ap.parse_args()
     if args.tokens < 1 or args.steps < 1 or args.threads < 1:
         raise SystemExit("--tokens, --steps and --threads must be >= 1")
+    check_clean(OUT / "tier_growth", args.allow_dirty)
     torch.set_num_threads(args.threads)
     rows = [run(args.tokens, args.steps, h) for h in (0, SERVE_HEADROOM)]
     command = " ".join(["python benchmarks/tier_growth.py", *map(shlex.quote, sys.argv[1:])])
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "tier_growth.json").write_text(json.dumps({"command": command, **vars(args), "rows": rows}, indent=2) + "\n")
+    params = {k: v for k, v in vars(args).items() if k != "allow_dirty"}
     lines = [
         f"# Decode appends to one {args.tokens}-token Full KV row (qwen2.5-coder-0.5b layout, bf16)",
         "",
@@ -80,7 +81,8 @@ def main() -> None:
             f"| {name} | {r['capacity']} | {r['max_step_ms']:.1f} | {r['median_step_ms']:.1f} | "
             f"{r['copied_bytes_in_decode']:,} |"
         )
-    (OUT / "tier_growth.md").write_text("\n".join(lines) + "\n")
+    data = {"command": command, **params, "rows": rows}
+    write_result(OUT / "tier_growth", data, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
     print("\n".join(lines))
 
 

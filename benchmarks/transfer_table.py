@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from pask.evaluation.case_rows import read_done
-from pask.report import sign_test_p
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.experiments.report import sign_test_p
 
 CATS = ("simple", "multiple", "parallel", "parallel_multiple")
 
@@ -84,7 +85,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cells", nargs="+", help="LABEL=DIR, the first is the paired reference")
     ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    add_allow_dirty(ap)
     args = ap.parse_args()
+    if args.out:
+        check_clean(args.out, args.allow_dirty)
     cells = []
     for arg in args.cells:
         label, sep, d = arg.partition("=")
@@ -96,12 +100,9 @@ def main() -> None:
     md += f"\nCommand: `{command}`\n"
     print(md, end="")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         rows = [{k: v for k, v in c.items() if k != "rows"} for c in cells]
-        args.out.with_suffix(".json").write_text(
-            json.dumps({"cells": rows, "paired": pairs, "command": command}, indent=2) + "\n"
-        )
-        args.out.with_suffix(".md").write_text(md)
+        data = {"cells": rows, "paired": pairs, "command": command}
+        write_result(args.out, data, md, command=command, allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 from pask.policies.tuning import budget_key
 
 
@@ -60,17 +61,17 @@ def main() -> None:
     ap.add_argument("--configs", type=Path, default=Path("pask/policies/configs.json"))
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "tuning")
     ap.add_argument("--made-by", action="append", default=[], help="the `pask tune` command of a log (repeat)")
+    add_allow_dirty(ap)
     a = ap.parse_args()
+    check_clean(a.out, a.allow_dirty)
     logs = {d.name: _log(d) for d in a.dirs}
     chosen = json.loads(a.configs.read_text()) if a.configs.exists() else {}
     cmd = "python " + " ".join(shlex.quote(x) for x in ["benchmarks/tuning_table.py", *sys.argv[1:]])
-    a.out.mkdir(parents=True, exist_ok=True)
     record = {"command": cmd, "made_by": a.made_by, "logs": logs, "chosen": chosen}
-    (a.out / "tuning.json").write_text(json.dumps(record, indent=1) + "\n")
     made = "".join(f"- `{m}`\n" for m in a.made_by)
     made = f"The logs were made by:\n\n{made}\n" if made else ""
     md = f"# Baseline tuning on the dev split\n\nCommand: `{cmd}`\n\n{made}{table(logs, chosen)}"
-    (a.out / "tuning.md").write_text(md)
+    write_result(a.out / "tuning", record, md, command=cmd, allow_dirty=a.allow_dirty, indent=1)
     print(md)
 
 

@@ -22,13 +22,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pask.errors import PaskError
 from pask.evaluation.continuous import check_batching
-from pask.models import DEFAULT_MODEL
-from pask.sweep import code_version, file_sha256, machine
+from pask.experiments.sweep import code_version, file_sha256, machine
+from pask.kv.budget import check_budget
+from pask.policies.factory import make_policy
+from pask.runtime.models import DEFAULT_MODEL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Parser-aware structural KV persistence.")
-eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a model + KV policy on a task.")
 bench_app = typer.Typer(no_args_is_help=True, help="Micro-benchmarks.")
-app.add_typer(eval_app, name="eval")
 app.add_typer(bench_app, name="bench")
 console = Console(stderr=True)
 
@@ -69,13 +69,13 @@ PrefillStoreOpt = Annotated[
 
 
 def _threads(n: int | None, prefill_store: Path | None = None) -> None:
-    """Set torch's thread count and, if given, the prefill store (:mod:`pask.kv.prefill_store`)."""
+    """Set torch's thread count and, if given, the prefill store (:mod:`pask.runtime.prefill_store`)."""
     import torch
 
     if n:
         torch.set_num_threads(n)
     if prefill_store is not None:
-        from pask.kv.prefill_store import ENV
+        from pask.runtime.prefill_store import ENV
 
         os.environ[ENV] = str(prefill_store)
 
@@ -102,7 +102,7 @@ def progress_bar() -> Progress:
 
 def load_pask_table(table: Path | None, task: str, fingerprint: str | None, allow_transfer: bool = False):
     """The frozen PASK table of ``--table``, checked against the model's fingerprint and the task."""
-    from pask.calibration.table import load
+    from pask.policies.table import load
 
     if table is None:
         raise PaskError(f"--policy pask needs --table FILE (made by `pask calibrate --task {task}`)")
@@ -114,8 +114,8 @@ def load_pask_table(table: Path | None, task: str, fingerprint: str | None, allo
 
 def _policy_builder(task: str, policy: str, budget: float | None, config: str | None, table, allow_transfer: bool):
     """Check an eval's policy arguments before the model loads; return ``lm -> KV policy`` (None: Full KV)."""
-    if budget is not None and not 0 < budget <= 1:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if budget is not None:
+        check_budget(budget, "--budget")
     if policy != "pask":
         kv_policy = make_policy(policy, budget, config, task)
         return lambda lm: kv_policy
@@ -161,9 +161,9 @@ def generate(
     save_tags: Annotated[bool, typer.Option(help="include per-token structural tags")] = False,
 ) -> None:
     """Run one request (messages + OpenAI-style tools) under the tool-call grammar; print the calls."""
-    from pask.engine import Request, eos_ids
-    from pask.engine import generate as run
-    from pask.models import load_model
+    from pask.runtime.engine import generate as run
+    from pask.runtime.models import load_model
+    from pask.runtime.tokens import Request, eos_ids
     from pask.structure.constraint import Constraint, ll_tokenizer
     from pask.tasks.function_calling import build_grammar, parse_calls
 
@@ -205,20 +205,31 @@ def _read_request(path: Path) -> dict:
     return req
 
 
-@eval_app.command("bfcl")
+@app.command("eval")
 @user_errors
-def eval_bfcl(
+def eval_task(
+    task: Annotated[
+        str, typer.Argument(metavar="TASK", help="bfcl (function calling) | sql (text-to-SQL) | registered")
+    ],
     model: ModelOpt = DEFAULT_MODEL,
     policy: Annotated[str, typer.Option(help="KV policy")] = "full",
     budget: BudgetOpt = None,
-    split: Annotated[str, typer.Option(help="calibration | dev | test | all")] = "test",
-    categories: Annotated[str, typer.Option(help="comma-separated BFCL categories")] = (
-        "simple,multiple,parallel,parallel_multiple"
-    ),
-    limit: Annotated[int | None, typer.Option(help="at most N cases per category")] = None,
+    split: Annotated[str, typer.Option(help="calibration | dev | test (sql: database-disjoint) | all (bfcl)")] = "test",
+    categories: Annotated[
+        str | None, typer.Option(help="bfcl: comma-separated BFCL categories (default: the four non-live ones)")
+    ] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="sql: dir with dev.json, tables.json, database/<db_id>/<db_id>.sqlite")
+    ] = None,
+    option: Annotated[
+        list[str] | None, typer.Option("--option", "-o", help="another option of the task, KEY=VALUE (repeatable)")
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option(help="bfcl: at most N cases per category; sql: the split's first N")
+    ] = None,
     batch_size: BatchOpt = 8,
     batching: BatchingOpt = "static",
-    max_new_tokens: int = 384,
+    max_new_tokens: Annotated[int | None, typer.Option(help="generation allowance (default: the task's)")] = None,
     out: OutDirOpt = None,
     dtype: str = "bf16",
     threads: int | None = None,
@@ -228,32 +239,73 @@ def eval_bfcl(
     allow_transfer: TransferOpt = False,
     prefill_store: PrefillStoreOpt = None,
 ) -> None:
-    """Evaluate BFCL categories; writes cases.jsonl, summary.json and summary.md (paper Table 1 layout)."""
-    from pask.evaluation.run_bfcl import run_bfcl, table_markdown
-    from pask.models import load_model
-    from pask.tasks.function_calling import load_cases
+    """Evaluate a model + KV policy on TASK; writes cases.jsonl, summary.json and summary.md.
 
+    bfcl: accuracy per category (paper Table 1); sql: execution accuracy per difficulty (Table 12).
+    Rerun with the same --out to resume.
+    """
+    from pask.evaluation.runner import run_task
+    from pask.runtime.models import load_model
+    from pask.tasks import get_task
+
+    t = get_task(task)
     check_batching(batching, "--batching")
-    cats = [c.strip() for c in categories.split(",") if c.strip()]
-    cases = load_cases(cats, split=split, limit=limit)  # validates categories/split before the model loads
+    for name, value in (("--limit", limit), ("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
+        if value is not None and value < 1:
+            raise PaskError(f"{name} must be >= 1, got {value}")
+    options = _task_options(t, {"categories": categories, "data_dir": data_dir}, option)
+    cases = t.cases(split, limit, **options)  # checks the split, the options and the data before the model loads
     if not cases:
-        raise PaskError(f"no cases for categories {cats} in split '{split}'")
-    build = _policy_builder("bfcl", policy, budget, policy_config, table, allow_transfer)
-    out = out or Path("runs") / f"bfcl-{model.replace('/', '_')}-{policy}-{split}"
+        given = {k: v for k, v in options.items() if v is not None}
+        raise PaskError(f"no {task} cases in split '{split}'" + "".join(f" for {k} {v}" for k, v in given.items()))
+    build = _policy_builder(task, policy, budget, policy_config, table, allow_transfer)
+    out = out or Path("runs") / f"{task}-{model.replace('/', '_')}-{policy}-{split}"
     _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
     kv_policy = build(lm)
-    meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "categories": cats}
+    meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, **t.run_record(limit, options)}
     meta = _run_meta(meta, table if policy == "pask" else None)
+    args = (batch_size, max_new_tokens, kv_policy)
     summary = _with_progress(
-        f"bfcl {policy}",
+        f"{task} {policy}",
         len(cases),
-        lambda advance: run_bfcl(
-            lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags, batching
-        ),
+        lambda advance: run_task(t, lm, cases, out, *args, advance, meta, save_tags, batching, **options),
     )
-    print(table_markdown(summary, meta))
+    print(t.markdown(summary, meta))
     console.print(f"results: {out}/")
+
+
+# the task options with a flag of their own on `pask eval` (any other: --option KEY=VALUE)
+TASK_FLAGS = {"categories": "--categories", "data_dir": "--data-dir"}
+
+
+def _task_options(task, flags: dict, option: list[str] | None) -> dict:
+    """The options of ``task`` from its flags (None: not given) and ``--option KEY=VALUE`` items,
+    defaults filled in; PaskError for an option the task does not take."""
+    takes = ", ".join(TASK_FLAGS.get(k, f"--option {k}=...") for k in task.options) or "no options"
+    given: dict = {}
+    for key, value in flags.items():
+        if value is not None:
+            if key not in task.options:
+                raise PaskError(f"{TASK_FLAGS[key]} is not an option of task {task.name} (it takes: {takes})")
+            given[key] = value
+    for item in option or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise PaskError(f"--option takes KEY=VALUE, got {item!r}")
+        if key not in task.options:
+            raise PaskError(f"task {task.name} has no option '{key}' (it takes: {takes})")
+        if key in given:
+            raise PaskError(f"task option '{key}' given twice")
+        try:
+            given[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            given[key] = raw
+    for key, value in given.items():  # a list option from the command line: comma-separated
+        if isinstance(task.options[key], list) and isinstance(value, str):
+            given[key] = [v.strip() for v in value.split(",") if v.strip()]
+    return task.resolve_options(given)
 
 
 @app.command()
@@ -263,14 +315,14 @@ def inspect(
     task: Annotated[str, typer.Option(help="task: bfcl or sql")] = "bfcl",
     model: ModelOpt = DEFAULT_MODEL,
     html: Annotated[Path | None, typer.Option(help="also write a self-contained HTML page")] = None,
-    max_new_tokens: int = 384,
+    max_new_tokens: Annotated[int | None, typer.Option(help="generation allowance (default: the task's)")] = None,
     threads: int | None = None,
 ) -> None:
     """Run one case; show prompt labels and generated tokens with their structural tags (coloured)."""
-    from pask.engine import generate as run
     from pask.evaluation.run_bfcl import prepare
-    from pask.inspect import render, write_html
-    from pask.models import load_model
+    from pask.experiments.inspect_case import render, write_html
+    from pask.runtime.engine import generate as run
+    from pask.runtime.models import load_model
     from pask.tasks.function_calling import find_case
 
     if task != "bfcl":
@@ -332,8 +384,7 @@ def calibrate(
     """Offline calibration: sensitivity floors + distortion-ranked upgrades -> frozen PASK table."""
     from pask.calibration.calibrate import calibrate_command, report_path_for
 
-    if not 0 < budget <= 1:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    check_budget(budget, "--budget")
     if distortion_scope not in ("all", "allowed"):
         raise PaskError(f"--distortion-scope must be 'all' or 'allowed', got {distortion_scope!r}")
     for name, a in (("--alpha-d", alpha_d), ("--alpha-p", alpha_p)):
@@ -386,17 +437,27 @@ def bench_kv_cmd(
     cases: Annotated[int, typer.Option(help="BFCL test cases per category for --policy")] = 2,
     batch_size: Annotated[int, typer.Option(help="batch size of the --policy runs")] = 8,
     table: Annotated[Path | None, typer.Option(help="PASK table when --policy includes pask")] = None,
-    out: Annotated[Path | None, typer.Option(help="write JSON + markdown here (--policy mode)")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="write JSON + markdown with provenance into this dir (kv.*; --policy: policy_overhead.*)"),
+    ] = None,
+    allow_dirty: Annotated[
+        bool, typer.Option(help="write --out into benchmarks/results/ even with uncommitted code changes")
+    ] = False,
 ) -> None:
     """KV bytes held vs Full KV, cost-model discrepancy, mixed vs full decode-attention time, model step time.
 
     With ``--policy``: each policy's overhead per decode step on real BFCL cases (decisions, cache
     actions, the rest of the step), next to Full KV and the all-H tiered cache in the same run.
     """
+    from pask.experiments.provenance import check_clean, write_result
+
+    if out is not None:
+        check_clean(out, allow_dirty)  # before the run, not after it
     if policy is not None:
-        _bench_policy_overhead(model, policy, budget, cases, batch_size, threads, table, out)
+        _bench_policy_overhead(model, policy, budget, cases, batch_size, threads, table, out, allow_dirty)
         return
-    from pask.kv.bench import bench_kv
+    from pask.bench.kv import bench_kv
 
     try:
         ctx = [int(c) for c in contexts.split(",") if c.strip()]
@@ -410,7 +471,6 @@ def bench_kv_cmd(
     result = bench_kv(model, ctx, fractions, repeats=repeats, threads=threads)
     if as_json:
         print(json.dumps(result, indent=2))
-        return
     nan = float("nan")
     table = [
         "| context | B measured | B cost model | attention speed-up | model step speed-up |",
@@ -425,7 +485,11 @@ def bench_kv_cmd(
             f"{c.get('model_step_speedup_vs_full_tiered', nan):.2f}x",
         )
         table.append("| " + " | ".join(cells) + " |")
-    print("\n".join(table))
+    if out is not None:
+        js, _ = write_result(out / "kv", result, "\n".join(table) + "\n", command=_command(), allow_dirty=allow_dirty)
+        console.print(f"results: {js}")
+    if not as_json:
+        print("\n".join(table))
 
 
 @app.command()
@@ -446,7 +510,7 @@ def tune(
     ] = None,
     batch_size: int = 8,
     batching: BatchingOpt = "static",
-    max_new_tokens: Annotated[int | None, typer.Option(help="default: 384 (bfcl), 256 (sql)")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="generation allowance (default: the task's)")] = None,
     out: Annotated[Path | None, typer.Option(help="work dir: tuning log + one run dir per configuration")] = None,
     configs: Annotated[
         Path | None, typer.Option(help="file of chosen configurations (default: the task's, in pask/policies/)")
@@ -460,16 +524,15 @@ def tune(
     The choice goes to the task's own file (``configs.json`` for BFCL, ``configs_sql.json`` for SQL),
     which evaluations and sweeps of that task read at that budget.
     """
-    from pask.models import load_model
+    from pask.experiments.sweep import TASKS
     from pask.policies import get_policy
     from pask.policies.tuning import TABLE8_GRIDS, configs_path_for, parse_grid
     from pask.policies.tuning import tune as run_tune
-    from pask.sweep import TASKS
+    from pask.runtime.models import load_model
 
     if task not in ("bfcl", "sql"):
         raise PaskError(f"unknown task '{task}': choose bfcl or sql")
-    if not 0 < budget <= 1:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    check_budget(budget, "--budget")
     if split == "test":
         raise PaskError("tuning on the test split would leak it: use --split dev")
     if search not in ("grid", "coordinate"):
@@ -528,57 +591,6 @@ def tune(
     console.print(f"{policy} at B={budget:g} ({task}): chosen {best} -> {configs}")
 
 
-@eval_app.command("sql")
-@user_errors
-def eval_sql(
-    model: ModelOpt = DEFAULT_MODEL,
-    policy: Annotated[str, typer.Option(help="KV policy")] = "full",
-    budget: BudgetOpt = None,
-    split: Annotated[str, typer.Option(help="calibration | dev | test (database-disjoint)")] = "test",
-    limit: Annotated[int | None, typer.Option(help="at most N cases (the split's first N)")] = None,
-    data_dir: Annotated[
-        Path | None, typer.Option(help="dir with dev.json, tables.json, database/<db_id>/<db_id>.sqlite")
-    ] = None,
-    batch_size: BatchOpt = 8,
-    batching: BatchingOpt = "static",
-    max_new_tokens: int = 256,
-    out: OutDirOpt = None,
-    dtype: str = "bf16",
-    threads: int | None = None,
-    save_tags: SaveTagsOpt = False,
-    policy_config: PolicyConfigOpt = None,
-    table: TableOpt = None,
-    allow_transfer: TransferOpt = False,
-    prefill_store: PrefillStoreOpt = None,
-) -> None:
-    """Text-to-SQL (Spider dev) by execution accuracy; writes cases.jsonl, summary.json, summary.md (Table 12)."""
-    from pask.evaluation.run_sql import run_sql, select_cases, table_markdown
-    from pask.models import load_model
-
-    check_batching(batching, "--batching")
-    cases = select_cases(split, limit, data_dir)  # checks the data and every database before the model loads
-    if not cases:
-        raise PaskError(f"no text-to-SQL cases in split '{split}'")
-    build = _policy_builder("sql", policy, budget, policy_config, table, allow_transfer)
-    out = out or Path("runs") / f"sql-{model.replace('/', '_')}-{policy}-{split}"
-    _threads(threads, prefill_store)
-    lm = load_model(model, dtype=_dtype(dtype))
-    kv_policy = build(lm)
-    meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, "limit": limit}
-    if data_dir is not None:
-        meta["data_dir"] = str(data_dir)
-    meta = _run_meta(meta, table if policy == "pask" else None)
-    summary = _with_progress(
-        f"sql {policy}",
-        len(cases),
-        lambda advance: run_sql(
-            lm, cases, out, batch_size, max_new_tokens, kv_policy, advance, meta, save_tags, data_dir, batching
-        ),
-    )
-    print(table_markdown(summary, meta))
-    console.print(f"results: {out}/")
-
-
 @app.command()
 @user_errors
 def sweep(
@@ -601,7 +613,8 @@ def sweep(
     prefill_store: PrefillStoreOpt = None,
 ) -> None:
     """Run an evaluation sweep: resumable cells, one progress bar, per-cell timing in a record file."""
-    from pask.sweep import load_config, plan, record_path, run_sweep, select_cells
+    from pask.experiments.ray_shards import run_cells_ray
+    from pask.experiments.sweep import load_config, plan, record_path, run_sweep, select_cells
 
     cfg = load_config(config, results_dir=results, threads=threads)
     _threads(None, prefill_store)
@@ -617,7 +630,10 @@ def sweep(
         def progress(done: int, total: int, cell: str) -> None:
             bar.update(task, completed=done, total=total, description=f"sweep {cell}".rstrip())
 
-        record = run_sweep(cfg, overwrite=force, progress=progress, ray_address=ray, shard_size=shard_size, adopt=adopt)
+        record = run_sweep(
+            cfg, overwrite=force, progress=progress, ray_address=ray, shard_size=shard_size, adopt=adopt,
+            ray_runner=run_cells_ray if ray else None,
+        )  # fmt: skip
     lines = ["| cell | state | n | run now | wall s | accuracy | B |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, c in record["cells"].items():
         acc = "–" if c.get("accuracy") is None else f"{c['accuracy']:.2f}"
@@ -640,7 +656,7 @@ def report(
     bars_budget: Annotated[float, typer.Option(help="target budget of the per-category bar plot")] = 0.33,
 ) -> None:
     """Paper-style tables (markdown), a CSV of every cell and PNG plots of a results directory."""
-    from pask.report import write_report
+    from pask.experiments.report import write_report
 
     rep = write_report(results_dir, out, table or [], bars_budget)
     print(rep.markdown.read_text(), end="")
@@ -694,8 +710,8 @@ def serve(
     from pask.serving.server import Service
     from pask.serving.server import serve as run_server
 
-    if budget is not None and not 0 < budget <= 1:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if budget is not None:
+        check_budget(budget, "--budget")
     if capacity_tokens is not None and capacity_tokens < 1:
         raise PaskError(f"--capacity-tokens must be >= 1, got {capacity_tokens}")
     if policy != "pask":
@@ -712,9 +728,9 @@ def serve(
 
 def _serving_model(model: str, dtype: str):
     """The model as the server runs it: decode GEMVs on the native bf16 kernel where
-    :func:`pask.bf16_matmul.serving_mode` says so."""
-    from pask import bf16_matmul
-    from pask.models import load_model
+    :func:`pask.cpu.bf16_matmul.serving_mode` says so."""
+    from pask.cpu import bf16_matmul
+    from pask.runtime.models import load_model
 
     lm = load_model(model, dtype=_dtype(dtype))
     lm.model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(lm.model, bf16_matmul.serving_mode())
@@ -750,14 +766,19 @@ def bench_serve_cmd(
     ] = None,
     dtype: str = "bf16",
     threads: int | None = None,
+    allow_dirty: Annotated[
+        bool, typer.Option(help="write --out into benchmarks/results/ even with uncommitted code changes")
+    ] = False,
 ) -> None:
     """Loopback load test: TPOT, throughput, peak KV bytes per policy vs Full KV, with the bandwidth-model limit.
 
     A soak test: ``--no-reference --policies pask --concurrency 16 --requests-per-client 100000
     --max-seconds 600 --sample-every 5`` (memory flat after warm-up, zero 5xx, zero malformed).
     """
-    from pask.serving.bench import BenchConfig, bench_serve, markdown, write
+    from pask.bench.serving import BenchConfig, bench_serve, markdown, write
+    from pask.experiments.provenance import check_clean
 
+    check_clean(out, allow_dirty)  # before the run, not after it
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if reference and "full" not in names:
         names.insert(0, "full")
@@ -789,20 +810,19 @@ def bench_serve_cmd(
         command=command,
         warm_prefills=prefill_store is not None,
     )
-    json_path, _ = write(result, out)
+    json_path, _ = write(result, out, allow_dirty=allow_dirty)
     print(markdown(result), end="")
     console.print(f"results: {json_path}")
 
 
 def _bench_policy_overhead(
-    model: str, policy: str, budget: float, cases: int, batch_size: int, threads: int, table, out
+    model: str, policy: str, budget: float, cases: int, batch_size: int, threads: int, table, out, allow_dirty=False
 ) -> None:
-    from pask.kv.policy_overhead import bench_policy_overhead, overhead_markdown
-    from pask.models import load_model
+    from pask.bench.policy_overhead import bench_policy_overhead, overhead_markdown, write
+    from pask.runtime.models import load_model
     from pask.tasks.function_calling import NON_LIVE, load_cases
 
-    if not 0 < budget <= 1:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    check_budget(budget, "--budget")
     if cases < 1 or batch_size < 1:
         raise PaskError("--cases and --batch-size must be >= 1")
     names = [p.strip() for p in policy.split(",") if p.strip()]
@@ -821,39 +841,8 @@ def _bench_policy_overhead(
     command = _command()
     md = overhead_markdown(result, command)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "policy_overhead.json").write_text(json.dumps({**result, "command": command}, indent=2) + "\n")
-        (out / "policy_overhead.md").write_text(md)
+        write(result, out, command, allow_dirty=allow_dirty)
     print(md)
-
-
-def make_policy(name: str, budget: float | None, config: str | None = None, task: str = "bfcl"):
-    """The policy object for a name; ``full`` is Full KV on DynamicCache (None).
-
-    Budget-controlled policies start from their configuration tuned on ``task``'s dev split at that
-    budget (``pask/policies/configs.json``, ``configs_sql.json`` for SQL); ``--policy-config``
-    overrides it.
-    """
-    from pask.policies import get_policy
-    from pask.policies.tuning import effective_config
-
-    try:
-        user = json.loads(config) if config else {}
-    except json.JSONDecodeError as e:
-        raise PaskError(f"--policy-config is not valid JSON: {e}") from None
-    if not isinstance(user, dict):
-        raise PaskError("--policy-config must be a JSON object")
-    if name == "full":
-        if budget not in (None, 1.0) or user:
-            raise PaskError("policy 'full' keeps every token (B = 1) and takes no configuration")
-        return None
-    kwargs = dict(user)
-    if budget is not None:
-        kwargs = {**effective_config(name, budget, user, task), "budget": budget}
-    try:
-        return get_policy(name, **kwargs)
-    except TypeError as e:
-        raise PaskError(f"bad configuration for policy '{name}': {e}") from None
 
 
 def main() -> None:  # pragma: no cover

@@ -14,7 +14,7 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 @pytest.fixture(scope="session")
 def smol():
     """SmolLM2-135M-Instruct in fp32 (exactness tests)."""
-    from pask.models import load_model
+    from pask.runtime.models import load_model
 
     return load_model("smollm2-135m", dtype=torch.float32)
 
@@ -22,7 +22,7 @@ def smol():
 @pytest.fixture(scope="session")
 def qwen():
     """qwen2.5-coder-0.5b in bf16, as evaluated."""
-    from pask.models import load_model
+    from pask.runtime.models import load_model
 
     return load_model("qwen2.5-coder-0.5b", dtype=torch.bfloat16)
 
@@ -32,6 +32,6 @@ def qwen_tokenizer():
     """The Qwen tokenizer only (converts the embedded model once if needed)."""
     from transformers import AutoTokenizer
 
-    from pask.models import convert_embedded
+    from pask.runtime.models import convert_embedded
 
     return AutoTokenizer.from_pretrained(convert_embedded("qwen2.5-coder-0.5b"))

@@ -1,4 +1,4 @@
-"""fp32 products for bf16 linear layers on CPUs without BF16 arithmetic (pask.bf16_matmul)."""
+"""fp32 products for bf16 linear layers on CPUs without BF16 arithmetic (pask.cpu.bf16_matmul)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pask import bf16_matmul, native_gemv
+from pask.cpu import bf16_matmul, native_gemv
 from pask.errors import PaskError
 
 
@@ -99,7 +99,7 @@ def test_the_server_takes_the_native_gemv_in_auto_mode_and_keeps_an_explicit_mod
 
 
 def test_bench_names_what_computed_the_decode_linears(monkeypatch):
-    from pask.serving.bench import decode_linears
+    from pask.bench.serving import decode_linears
 
     model = _mlp()
     assert decode_linears(model) == "PyTorch"
@@ -115,7 +115,7 @@ def test_bench_names_what_computed_the_decode_linears(monkeypatch):
 
 def test_tiny_model_in_bf16_decodes_the_same_tokens_with_fp32_products(smol):
     """smollm2 in bf16: greedy tokens of a prompt agree with and without the fp32 products."""
-    from pask.models import load_model
+    from pask.runtime.models import load_model
 
     tok = smol.tokenizer
     ids = tok("def fibonacci(n):\n    " * 6, return_tensors="pt")["input_ids"]

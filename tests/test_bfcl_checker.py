@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pask.errors import PaskError
-from pask.evaluation.bfcl import (
+from pask.tasks.bfcl_checker import (
     CATEGORIES,
     CheckResult,
     bfcl_data_dir,

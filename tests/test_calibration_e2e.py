@@ -68,7 +68,7 @@ def test_all_h_replay_reproduces_the_control_captures(smol, tmp_path, monkeypatc
     also when the replay's prefill is loaded from the prefill store (no prefill forward to skip)."""
     from pask.calibration.control import all_h_policy, run_control
     from pask.calibration.distortion import DistortionSum, forced_capture
-    from pask.kv.prefill_store import ENV
+    from pask.runtime.prefill_store import ENV
     from pask.tasks.function_calling import load_cases
 
     torch.set_num_threads(1)

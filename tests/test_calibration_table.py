@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pask.calibration.table import FORMAT_VERSION, FrozenTable, load
 from pask.errors import PaskError
 from pask.kv.actions import Action
+from pask.policies.table import FORMAT_VERSION, FrozenTable, load
 from pask.structure.tags import Bucket, JsonRole, Next, PromptLabel, State, Tag, TagClass
 
 TAG = Tag(TagClass.SCHEMA_BEARING, JsonRole.REQUIRED, State.CRITICAL, Next.LOOKAHEAD_CRITICAL)

@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pask import models
 from pask.cli import app
+from pask.runtime import models
 
 runner = CliRunner()
 MINIMAL = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}
@@ -105,6 +105,63 @@ def test_pask_policy_needs_a_table(tmp_path):
     assert res.exit_code == 2 and "--table" in res.output
 
 
+@pytest.mark.parametrize(
+    "task, extra, header, record",
+    [
+        (
+            "bfcl",
+            ["--categories", "simple,parallel"],
+            "| simple | parallel | Overall |",
+            {"categories": ["simple", "parallel"]},
+        ),
+        ("sql", [], "| Easy EX | Medium EX | Hard EX | Extra EX | Overall EX |", {"limit": 1}),
+    ],
+)
+def test_eval_task_runs(tmp_path, task, extra, header, record):
+    """`pask eval bfcl|sql`: one command; each task's table, rows and run record (its task options)."""
+    out = tmp_path / "run"
+    args = ["--model", "smollm2-135m", "--dtype", "fp32", "--threads", "1", "--limit", "1", "--max-new-tokens", "8"]
+    res = _run("eval", task, *args, *extra, "--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert header in res.output and "| smollm2-135m | full | 1.000 |" in res.output
+    rows = [json.loads(x) for x in (out / "cases.jsonl").read_text().splitlines()]
+    assert len(rows) == (2 if task == "bfcl" else 1) and all(0 < r["n_generated"] <= 8 for r in rows)
+    run = json.loads((out / "summary.json").read_text())["run"]
+    assert {k: run[k] for k in ("model", "policy", "budget", "split", *record)} == {
+        "model": "smollm2-135m",
+        "policy": "full",
+        "budget": None,
+        "split": "test",
+        **record,
+    }
+    assert (out / "summary.md").read_text().count(header) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["eval", "sql", "--categories", "x"], "--categories is not an option of task sql (it takes: --data-dir)"),
+        (["eval", "bfcl", "--data-dir", "."], "--data-dir is not an option of task bfcl (it takes: --categories)"),
+        (["eval", "bfcl", "--option", "colour=red"], "task bfcl has no option 'colour'"),
+        (["eval", "bfcl", "--option", "categories=simple", "--categories", "simple"], "given twice"),
+        (["eval", "nosuchtask"], "unknown task 'nosuchtask'; known tasks: bfcl, sql"),
+        (["eval", "bfcl", "--limit", "0"], "--limit must be >= 1, got 0"),
+        (["eval", "sql", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["eval", "sql", "--budget", "nan", "--policy", "h2o"], "--budget must be in (0, 1], got nan"),
+        (["eval", "bfcl", "--categories", "live_simple", "--split", "dev"], "no bfcl cases in split 'dev'"),
+    ],
+)
+def test_eval_bad_task_options(args, message):
+    """Options of another task, unknown tasks and bad numbers: exit 2 before any model loads."""
+    res = _run(*args, "--model", "no-model-needed")
+    assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+
+
+def test_eval_needs_a_task():
+    res = _run("eval")
+    assert res.exit_code == 2 and "Missing argument 'TASK'" in res.output
+
+
 def test_serving_pask_needs_a_function_calling_table():
     """``pask serve --policy pask`` fails before the model loads without a table; an SQL table is refused."""
     from pathlib import Path
@@ -115,7 +172,7 @@ def test_serving_pask_needs_a_function_calling_table():
 
     res = _run("serve", "--policy", "pask")
     assert res.exit_code == 2 and "--table" in res.output
-    tables = Path(__file__).resolve().parents[1] / "tables"
+    tables = Path(__file__).resolve().parents[1] / "pask" / "tables"
     with pytest.raises(PaskError, match="calibrated for task 'sql', not 'bfcl'"):
         serving_policy_factory("pask", None, None, tables / "qwen2.5-coder-0.5b-sql-b0.4.json")
     factory = serving_policy_factory("pask", 0.33, None, tables / "qwen2.5-coder-0.5b-bfcl-b0.33.json")

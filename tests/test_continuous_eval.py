@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pask.calibration.table import FrozenTable
 from pask.cli import app, make_policy
 from pask.errors import PaskError
 from pask.evaluation.continuous import decode_continuous
 from pask.evaluation.run_sql import prepare, run_sql, select_cases
+from pask.experiments.sweep import parse_config
 from pask.policies.pask import make_pask_policy
-from pask.sweep import parse_config
+from pask.policies.table import FrozenTable
 
 MAX_NEW = 12
 
@@ -56,7 +56,7 @@ def test_continuous_matches_static(smol, cases, tmp_path, name):
 
 
 def test_continuous_resumes_and_keeps_the_batch_bound(smol, cases, tmp_path, monkeypatch):
-    from pask.serving import scheduler
+    from pask.runtime import scheduler
 
     peaks: list[int] = []
     close = scheduler.Scheduler.close

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pask.engine import Request, generate
+from pask.runtime.engine import Request, generate
 
 
 def _prompt(lm, text: str) -> list[int]:

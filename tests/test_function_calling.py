@@ -14,6 +14,7 @@ from pask.tasks.function_calling import (
     LIVE,
     NON_LIVE,
     build_grammar,
+    check_tools,
     legal_name,
     load_cases,
     parse_calls,
@@ -169,3 +170,80 @@ def test_grammar_accepts_later_call_without_marker(qwen_tokenizer):
     with pytest.raises(SchemaError):
         for t in tok('{"name"', add_special_tokens=False)["input_ids"]:
             c.consume(t)
+
+
+def _tool(params, name="get_weather") -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+def test_check_tools_names_tool_property_and_cause():
+    days = {"type": "object", "properties": {"days": {"type": "number", "minimum": 10, "maximum": 1}}}
+    fine = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    with pytest.raises(PaskError, match=r"^tool 'get_weather', property 'days': minimum 10 > maximum 1"):
+        check_tools([_tool(fine, "ok"), _tool(days)])
+    with pytest.raises(PaskError, match=r"^tool 'get_weather', property 'unit': enum is empty"):
+        check_tools([_tool({"type": "object", "properties": {"unit": {"enum": []}}})])
+    nested = {"type": "object", "properties": {"spans": {"type": "array", "items": {"minLength": 5, "maxLength": 2}}}}
+    with pytest.raises(PaskError, match=r"property 'spans\[\]': minLength 5 > maxLength 2"):
+        check_tools([_tool(nested)])
+    ref = {
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+        "$defs": {"Unit": {"type": "integer", "enum": ["C", "F"]}},
+    }
+    with pytest.raises(PaskError, match=r"^tool 'get_weather', property 'unit': unsatisfiable: no enum value"):
+        check_tools([_tool(ref)])
+    check_tools([_tool(fine), _tool(None, "no_args"), {"function": {"name": "bare"}}])
+    check_tools([])
+
+
+@pytest.mark.parametrize(
+    ("tools", "expected"),
+    [
+        ([{"type": "function", "function": {"parameters": {"type": "object"}}}], r"^tools\[0\] has no name"),
+        ([{"type": "function", "function": {"name": ""}}], r"^tools\[0\] has no name"),
+        ([{"type": "retrieval"}], r"^tools\[0\] must be \{'type': 'function'"),
+        (["get_weather"], r"^tools\[0\] must be"),
+        ([_tool({"type": "string"})], r"^tool 'get_weather': parameters must be an object schema"),
+        ([_tool(["city"])], r"^tool 'get_weather': parameters must be a JSON Schema object, got list"),
+        ([_tool({}), _tool({})], r"^tool 'get_weather' is defined twice"),
+        ([_tool({}, "math.factorial")], r"^tool 'math.factorial': a name is .* \(e.g. 'math_factorial'\)"),
+        ([_tool({"type": "object", "properties": {"n": {"type": "int"}}})], r"unknown type 'int'; did you mean"),
+        (
+            [_tool({"type": "object", "properties": {}, "required": ["x"], "additionalProperties": False})],
+            r"^tool 'get_weather', property 'x': unsatisfiable",
+        ),
+        ("get_weather", r"^tools must be a list"),
+    ],
+)
+def test_check_tools_rejects(tools, expected):
+    with pytest.raises(PaskError, match=expected):
+        check_tools(tools)
+
+
+# BFCL's one tool no JSON value fits: an array property with string enum values (BFCL means the items' enum)
+_BFCL_UNSATISFIABLE = {"extract_parameters_v1"}
+
+
+def test_check_tools_passes_bfcl():
+    """Every BFCL case's tools pass, but one tool whose required property llguidance rejects as well."""
+    import llguidance
+
+    from pask.structure.constraint import lark_json
+    from pask.tasks.bfcl_checker import CATEGORIES
+    from pask.tasks.function_calling import _load_category, call_schema
+
+    rejected = {}
+    for category in CATEGORIES:
+        for case in _load_category(category):
+            try:
+                check_tools(case.tools)
+            except PaskError as e:
+                rejected[case.id] = (case, str(e))
+    assert {str(e).split("'")[1] for _, e in rejected.values()} <= _BFCL_UNSATISFIABLE, rejected
+    for case, _ in rejected.values():
+        for tool in case.tools:
+            if tool["function"]["name"] in _BFCL_UNSATISFIABLE:
+                grammar = llguidance.LLMatcher.grammar_from_lark("start: " + lark_json(call_schema(tool)))
+                assert "nsatisfiable" in llguidance.LLMatcher.validate_grammar(grammar)

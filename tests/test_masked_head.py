@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pask.engine import generate
-from pask.masked_head import ENV, MaskedHead, allowed_tokens
 from pask.policies import get_policy
+from pask.runtime.engine import generate
+from pask.runtime.masked_head import ENV, MaskedHead, allowed_tokens
 from pask.structure.constraint import allocate_mask
 
 

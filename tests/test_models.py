@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from pask import models
 from pask.errors import PaskError
+from pask.runtime import models
 
 
 def _fake_parts(tmp_path, monkeypatch, payloads: list[bytes]) -> models.EmbeddedModel:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pask import native as native_build
+from pask.cpu import native as native_build
 from pask.kv import Action, CacheConfig, TieredCache
 from pask.kv import native_attention as na
 from pask.kv.attention import tiered_attention_reference
@@ -46,7 +46,7 @@ def _reference(layer, q, scaling):
 
 @pytest.fixture(scope="module")
 def native():
-    if not na.available():
+    if na.status() != "ok":
         pytest.skip(f"native attention kernel: {na.status()}")
     return na
 
@@ -107,9 +107,9 @@ def test_dropped_row_gets_zeros_and_others_are_unaffected(native):
 
 
 def test_model_decode_runs_the_kernel_and_agrees_with_reference(native, monkeypatch):
-    from pask.kv.runner import decode_with_policy
-    from pask.models import load_model
     from pask.policies import StaticMixPolicy
+    from pask.runtime.models import load_model
+    from pask.runtime.runner import decode_with_policy
 
     lm = load_model("smollm2-135m", dtype=torch.bfloat16)
     tok = lm.tokenizer
@@ -151,16 +151,37 @@ def test_applies_only_to_what_the_kernel_serves(native):
     assert not na.applies(torch.zeros(1, 17, 1, 64, dtype=torch.bfloat16), wide)  # 17 query rows per kv head
 
 
-def test_missing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path):
+def test_missing_compiler_is_an_error_unless_fallback_is_allowed(monkeypatch, tmp_path):
     monkeypatch.setattr(na, "_STATE", None)
     monkeypatch.setattr(na, "_LIB", None)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PASK_CACHE", str(tmp_path))
+    monkeypatch.delenv("PASK_ALLOW_FALLBACK", raising=False)
+    with pytest.raises(native_build.NativeKernelError, match=r"no C\+\+ compiler.*PASK_ALLOW_FALLBACK=1"):
+        na.available()
+    assert "no C++ compiler" in na.status()  # the state is reported without raising
+    q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(native_build.NativeKernelError, match="PASK_NATIVE=0"):
+        na.decode_layer(None, q, 1.0)
+    monkeypatch.setenv("PASK_ALLOW_FALLBACK", "1")  # the opt-out: a warning (once), then the PyTorch path
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         assert not na.available()
-    assert "no C++ compiler" in na.status()
+    assert not na.available() and na.isa() is None
     with pytest.raises(RuntimeError, match="unavailable"):
-        na.decode_layer(None, torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16), 1.0)
+        na.decode_layer(None, q, 1.0)
+
+
+def test_missing_source_is_an_error(monkeypatch, tmp_path):
+    """A broken install (the C++ source not shipped) is reported, not silently replaced by PyTorch."""
+    if native_build.compiler() is None:
+        pytest.skip("no compiler")
+    monkeypatch.setattr(na, "_STATE", None)
+    monkeypatch.setattr(na, "_LIB", None)
+    monkeypatch.setattr(na, "SOURCE", tmp_path / "native_attention.cpp")
+    monkeypatch.setenv("PASK_CACHE", str(tmp_path))
+    monkeypatch.delenv("PASK_ALLOW_FALLBACK", raising=False)
+    with pytest.raises(native_build.NativeKernelError, match=r"native_attention\.cpp.*reinstall pask"):
+        na.available()
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -289,9 +310,9 @@ def test_step_statistics_policy_decodes_through_the_kernel(native, monkeypatch):
     """A policy asking for step attention (H2O) takes the native kernel in bf16, not explicit_decode,
     and keeps its budget; its step statistics agree with the explicit path's."""
     from pask.kv import stats as kv_stats
-    from pask.kv.runner import decode_with_policy
-    from pask.models import load_model
     from pask.policies import get_policy
+    from pask.runtime.models import load_model
+    from pask.runtime.runner import decode_with_policy
 
     lm = load_model("smollm2-135m", dtype=torch.bfloat16)
     rows = [lm.tokenizer("def add(a, b):\n    return a + b\n\n" * 6)["input_ids"]]
@@ -411,7 +432,7 @@ def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, sca
 
 def test_build_key_covers_local_headers(tmp_path):
     """A library is rebuilt when a header its source includes with quotes changes (native_common.h)."""
-    from pask import native
+    from pask.cpu import native
 
     cxx = shutil.which("g++")
     if cxx is None:

@@ -8,12 +8,13 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pask import native_gemv as ng
+from pask.cpu import native_gemv as ng
+from pask.cpu.native import NativeKernelError
 
 
 @pytest.fixture(scope="module")
 def gemv():
-    if not ng.available():
+    if ng.status() != "ok":
         pytest.skip(f"native gemv: {ng.status()}")
     return ng
 
@@ -28,7 +29,7 @@ def gemv():
     seed=st.integers(0, 2**16),
 )
 def test_matches_the_fp32_product_of_the_bf16_values(m, k8, n, bias, scale, seed):
-    if not ng.available():
+    if ng.status() != "ok":
         pytest.skip(ng.status())
     gen = torch.Generator().manual_seed(seed)
     k = 8 * k8  # 8 .. 640: the sliced reduction (x over 64 KB) appears from 16 rows x 1024
@@ -77,10 +78,18 @@ def test_disabled_by_environment_and_missing_compiler(monkeypatch, tmp_path):
     monkeypatch.delenv("PASK_NATIVE")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PASK_CACHE", str(tmp_path))
+    monkeypatch.delenv("PASK_ALLOW_FALLBACK", raising=False)
+    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(NativeKernelError, match=r"no C\+\+ compiler.*PASK_NATIVE=0"):
+        ng.applies(x, w)  # wanted (a bf16 decode input) but not buildable: an error, not a silent fallback
+    assert "no C++ compiler" in ng.status()  # reported without raising
+    assert not ng.applies(x.float(), w.float())  # where the kernel does not apply, no probe and no error
+    monkeypatch.setenv("PASK_ALLOW_FALLBACK", "1")  # the opt-out: a warning (once), then PyTorch's linear
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         assert not ng.available()
+    assert not ng.applies(x, w) and ng.isa() is None
     with pytest.raises(RuntimeError, match="unavailable"):
-        ng.linear(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16))
+        ng.linear(x, w)
 
 
 def _linear_bf16(x, w, b, amx: bool):
@@ -122,7 +131,7 @@ def test_bf16_io_rounds_the_fp32_sum_once(m, k8, n, bias, scale, amx, seed):
 def test_bf16_io_decode_step_routing(gemv, monkeypatch):
     """apply_gemv ('gemv' mode): decode-sized bf16 inputs take the native kernel, prefills PyTorch's
     linear; other modes and CPUs without BF16 arithmetic change nothing."""
-    from pask import bf16_matmul
+    from pask.cpu import bf16_matmul
 
     if not ng.has_bf16_io():
         pytest.skip("no AVX512-BF16 gemv here")

@@ -1,4 +1,4 @@
-"""pask.openmp: the calling thread's OpenMP pool ends on release_pool."""
+"""pask.cpu.openmp: the calling thread's OpenMP pool ends on release_pool."""
 
 import sys
 import threading
@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from pask import openmp
+from pask.cpu import openmp
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="libgomp and /proc/self/task are Linux's")
 

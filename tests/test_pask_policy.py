@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
-from pask.calibration.table import FrozenTable
 from pask.errors import PaskError
 from pask.kv.actions import Action
 from pask.policies.base import SeqContext
 from pask.policies.pask import PaskPolicy, benchmark_overhead
+from pask.policies.table import FrozenTable
 from pask.structure.tags import Bucket, PromptLabel, json_tags
 
 TAGS = list(json_tags())
@@ -132,8 +132,8 @@ def test_overhead_benchmark_runs():
 def tagged_run(smol):
     """One BFCL case generated on the all-H tiered cache with tags and prompt labels."""
     from pask.calibration.control import all_h_policy
-    from pask.engine import generate
     from pask.evaluation.run_bfcl import prepare
+    from pask.runtime.engine import generate
     from pask.tasks.function_calling import load_cases
 
     torch.set_num_threads(1)
@@ -147,7 +147,7 @@ def tagged_run(smol):
 
 def _replay(smol, req, gen, n_fed, policy):
     from pask.calibration.distortion import FORCED_STOP, ForcedContext
-    from pask.kv.runner import decode_with_policy
+    from pask.runtime.runner import decode_with_policy
 
     toks = gen.token_ids[:n_fed]
     it = iter([*toks, FORCED_STOP])
@@ -184,10 +184,10 @@ def test_real_cache_tiers_follow_the_table(smol, tagged_run, prefill, decode):
 
 def test_engine_measured_budget_matches_table_prediction(smol, tagged_run):
     """The engine (tags from its own tagger) applies the table: its measured B is the table's cost."""
-    from pask.engine import generate
     from pask.evaluation.run_bfcl import prepare
     from pask.kv.budget import CostModel
     from pask.kv.cache import layer_groups
+    from pask.runtime.engine import generate
 
     case, *_ = tagged_run
     table = mixed_table()

@@ -17,7 +17,6 @@ import torch
 from pask.errors import PaskError
 from pask.kv.actions import Action
 from pask.kv.cache import layer_groups
-from pask.kv.runner import decode_with_policy
 from pask.kv.stats import StatsRequest, collector_of, explicit_decode, window_attention
 from pask.policies import (
     BASELINES,
@@ -33,6 +32,7 @@ from pask.policies import (
     get_policy,
 )
 from pask.policies.rocketkv import hsa_scores
+from pask.runtime.runner import decode_with_policy
 
 H, L, R = int(Action.H), int(Action.L), int(Action.R)
 BUDGETS = (0.5, 0.33)
@@ -521,7 +521,7 @@ def test_group_scores_of_an_empty_prefix():
 
 @pytest.mark.parametrize("name", ["snapkv", "criticalkv", "rocketkv"])
 def test_prompt_shorter_than_the_observation_window(smol, name):
-    from pask.kv.runner import decode_with_policy
+    from pask.runtime.runner import decode_with_policy
 
     res = decode_with_policy(smol.model, [list(range(20, 30))], get_policy(name, budget=0.5), 12)
     assert len(res.tokens[0]) == 12

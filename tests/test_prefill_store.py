@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from pask.engine import generate
 from pask.errors import PaskError
-from pask.kv.prefill_store import ENV, PrefillEntry, PrefillStore
 from pask.kv.stats import ALL, StatsRequest
 from pask.policies import get_policy
+from pask.runtime.engine import generate
+from pask.runtime.prefill_store import ENV, PrefillEntry, PrefillStore
 
 
 class _Requests(list):
@@ -161,7 +161,7 @@ def test_store_from_env_and_bad_directory(smol, tmp_path, monkeypatch):
 
 def _serve(lm, reqs, factory, store) -> tuple[list[list[int]], int]:
     """Staggered arrivals through the serving scheduler; (tokens per request, prefill forwards)."""
-    from pask.serving.scheduler import Job, Scheduler
+    from pask.runtime.scheduler import Job, Scheduler
 
     spy = _Spy(lm.model)
     sch = Scheduler(lm, factory, store=store)

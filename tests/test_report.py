@@ -13,14 +13,18 @@ from typer.testing import CliRunner
 
 from pask.cli import app
 from pask.errors import PaskError
-from pask.report import (
+from pask.experiments.report import (
+    CellResult,
+    clusters,
     collect,
     csv_text,
+    dodge,
     markdown,
     plot_accuracy_vs_budget,
     plot_category_bars,
     plot_sensitivity_vs_distortion,
     write_report,
+    y_headroom,
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -143,6 +147,59 @@ def test_plots_are_pngs_with_the_expected_series(results, tmp_path):
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
 
 
+def _cell(policy: str, budget: float | None, b: float, acc: float) -> CellResult:
+    return CellResult(MODEL, "bfcl", "test", policy, budget, b, 600, acc)
+
+
+def test_dodge_spreads_only_coincident_points():
+    points = [(0.33, 70.2), (0.331, 70.2), (0.334, 70.0), (0.33, 55.0), (0.5, 70.2)]
+    assert clusters(points, x_tol=0.01, y_tol=1.0) == [[0, 1, 2], [3], [4]]
+    offsets = dodge(points, x_tol=0.01, y_tol=1.0, step=0.02)
+    assert offsets == pytest.approx([-0.02, 0.0, 0.02, 0.0, 0.0])  # centred on the group, input order
+    assert dodge([(0.3, 50.0), (0.3, 50.0)], 0.01, 1.0, 0.02) == pytest.approx([-0.01, 0.01])
+    # chained: a-b and b-c close, a-c not -> one group
+    assert clusters([(0.30, 1.0), (0.309, 1.0), (0.318, 1.0)], 0.01, 1.0) == [[0, 1, 2]]
+    assert dodge([], 0.01, 1.0, 0.02) == []
+
+
+def test_y_headroom_leaves_room_above_the_reference():
+    assert y_headroom(55.0) == pytest.approx(55.0 + 0.15 * 55.0)
+    assert y_headroom(100.0) == pytest.approx(104.0)
+    assert y_headroom(98.0) == pytest.approx(104.0)
+    assert y_headroom(10.0) == pytest.approx(14.0)
+    for top in (0.0, 20.0, 73.5, 99.9, 100.0):
+        assert y_headroom(top) >= top + 4.0
+
+
+@pytest.mark.parametrize(
+    ("cells", "series"),
+    [
+        (  # one budget: labelled points, three of them on the same spot
+            [_cell("full", None, 1.0, 73.5), _cell("pask", 0.33, 0.331, 70.2), _cell("kivi-4", 0.33, 0.333, 70.2),
+             _cell("h2o", 0.33, 0.334, 55.0), _cell("snapkv", 0.33, 0.33, 70.0)],
+            ["Full KV", "PASK", "H2O", "SnapKV", "KIVI-4"],
+        ),
+        (  # several budgets: curves, coincident at the top, Full KV at 100 %
+            [_cell("full", None, 1.0, 100.0)]
+            + [_cell(p, b, b + 0.001, a) for p, accs in (("pask", (99, 95, 90)), ("h2o", (99, 80, 60)))
+               for b, a in zip((0.5, 0.33, 0.25), accs, strict=True)],
+            ["Full KV", "PASK", "H2O"],
+        ),
+        ([_cell("pask", 0.33, 0.33, 40.0), _cell("pask", 0.25, 0.25, 30.0), _cell("h2o", 0.33, 0.33, 40.0)],
+         ["PASK", "H2O"]),  # no Full KV; a curve and a lone point on one of its points
+        ([_cell("full", None, 1.0, 60.0)], ["Full KV"]),
+    ],
+)  # fmt: skip
+def test_accuracy_plot_shapes(cells, series, tmp_path):
+    import matplotlib.image
+
+    plot = plot_accuracy_vs_budget(cells, tmp_path / "fig3.png")
+    assert plot.series == series
+    assert plot.path.read_bytes()[:8] == PNG and matplotlib.image.imread(plot.path).ndim == 3
+    with pytest.raises(PaskError, match="nothing to plot"):
+        plot_accuracy_vs_budget([_cell("pask", 0.33, 0.33, None)], tmp_path / "none.png")
+
+
 def test_calibration_scatter(tmp_path):
     import matplotlib.image
 
@@ -202,7 +259,7 @@ def test_cli_report(results, tmp_path):
 
 
 def test_paired_comparison_counts_discordant_cases(tmp_path):
-    from pask.report import sign_test_p
+    from pask.experiments.report import sign_test_p
 
     root = tmp_path / "r"
     make_cell(root, "bfcl", "pask", 0.33, 0.33, [1, 1, 1, 1], outcomes=[True] * 6 + [False] * 4)

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pask.calibration.table import FrozenTable
 from pask.cli import app, make_policy
-from pask.engine import Generation
 from pask.errors import PaskError
-from pask.evaluation.run_sql import database, run_sql, score, select_cases, summarize, table_markdown
-from pask.evaluation.sql_exec import execution_match
+from pask.evaluation.runner import run_task
 from pask.policies.pask import make_pask_policy
+from pask.policies.table import FrozenTable
+from pask.tasks import Output, get_task
+from pask.tasks.sql import database, select_cases, summarize, table_markdown
+from pask.tasks.sql_exec import execution_match
 from pask.tasks.text_to_sql import DEFAULT_DATA_DIR
 
 runner = CliRunner()
@@ -23,6 +24,7 @@ HEADER = "| Model | Method | B | Easy EX | Medium EX | Hard EX | Extra EX | Over
 FIELDS = {"id", "db_id", "difficulty", "prompt_len", "output", "correct", "error", "stop_reason", "n_generated"}
 FIELDS |= {"prefill_ms", "tpot_ms", "budget"}
 MAX_NEW = 16
+SQL = get_task("sql")
 
 
 def _rows(out: Path) -> list[dict]:
@@ -49,15 +51,17 @@ def cases():
 
 
 def test_full_kv_rows_resume_and_summary(smol, cases, tmp_path):
-    first = run_sql(smol, cases[:2], tmp_path, batch_size=3, max_new_tokens=MAX_NEW)
+    first = run_task(SQL, smol, cases[:2], tmp_path, batch_size=3, max_new_tokens=MAX_NEW)
     assert first["run"]["cases_this_run"] == 2 and first["overall"]["n"] == 2
     seen: list[int] = []
-    summary = run_sql(smol, cases, tmp_path, batch_size=3, max_new_tokens=MAX_NEW, progress=seen.append)
+    summary = run_task(SQL, smol, cases, tmp_path, batch_size=3, max_new_tokens=MAX_NEW, progress=seen.append)
     assert summary["run"]["cases_this_run"] == 1 and seen == [2, 1]  # only the new case ran
     rows = _rows(tmp_path)
     _check_rows(rows, cases)
-    assert all(r["budget"] is None for r in rows)
-    again = run_sql(smol, cases, tmp_path, batch_size=3, max_new_tokens=MAX_NEW, meta={"model": "m", "policy": "full"})
+    assert all(r["budget"]["b_total"] == 1.0 for r in rows)  # Full KV runs on the tiered cache: B measured, 1
+    again = run_task(
+        SQL, smol, cases, tmp_path, batch_size=3, max_new_tokens=MAX_NEW, meta={"model": "m", "policy": "full"}
+    )
     assert again["run"]["cases_this_run"] == 0 and len(_rows(tmp_path)) == 3  # nothing new, no duplicates
     assert summary["measured_b"] == 1.0
     levels = summary["difficulties"]
@@ -73,7 +77,7 @@ def test_full_kv_rows_resume_and_summary(smol, cases, tmp_path):
 def test_tiered_policy_measured_budget_and_tags(smol, cases, tmp_path):
     cases = cases[:2]
     policy = make_policy("kivi-4", 0.5)
-    summary = run_sql(smol, cases, tmp_path, batch_size=2, max_new_tokens=MAX_NEW, policy=policy, save_tags=True)
+    summary = run_task(SQL, smol, cases, tmp_path, batch_size=2, max_new_tokens=MAX_NEW, policy=policy, save_tags=True)
     rows = _rows(tmp_path)
     _check_rows(rows, cases)
     b = [r["budget"]["b_total"] for r in rows]
@@ -89,7 +93,7 @@ def test_tiered_policy_measured_budget_and_tags(smol, cases, tmp_path):
 def test_pask_policy_reads_sql_prompt_labels(smol, cases, tmp_path):
     actions = {"P|schema_scaffold|g0": "R", "P|parameter_key|g1": "L"}
     policy = make_pask_policy(FrozenTable(actions, smol.fingerprint, task="sql"))
-    summary = run_sql(smol, cases[:1], tmp_path / "run", max_new_tokens=MAX_NEW, policy=policy)
+    summary = run_task(SQL, smol, cases[:1], tmp_path / "run", max_new_tokens=MAX_NEW, policy=policy)
     (row,) = _rows(tmp_path / "run")
     assert row["tags"] is None and 0.5 < row["budget"]["b_prompt"] < 1  # labels reached the policy
     assert summary["measured_b"] == round(row["budget"]["b_total"], 4)
@@ -99,18 +103,21 @@ def test_pask_policy_reads_sql_prompt_labels(smol, cases, tmp_path):
     assert res.exit_code == 2 and "calibrated for task 'bfcl', not 'sql'" in res.output
 
 
-def test_score_and_summary_layout():
+def test_check_and_summary_layout():
     case = select_cases("test", limit=1)[0]
-    path = database(case.db_id).path
 
-    def gen(text: str, stop: str = "grammar") -> Generation:
-        return Generation(text, [1] * 3, 50, stop, 1.0, 2.0)
+    def check(text: str, stop: str = "grammar") -> dict:
+        return SQL.check(case, Output(text, stop))
 
-    assert score(case, gen(case.gold_sql), path).correct
-    assert score(case, gen("SELECT count(*) FROM stadium"), path).error is None
-    bad = score(case, gen("SELECT nope FROM singer", "length"), path)
-    assert not bad.correct and "no such column" in bad.error
-    assert score(case, gen("  "), path).error == "empty output"
+    assert check(case.gold_sql)["correct"]
+    assert check("SELECT count(*) FROM stadium")["error"] is None
+    bad = check("SELECT nope FROM singer", "length")
+    assert not bad["correct"] and "no such column" in bad["error"]
+    assert check("  ")["error"] == "empty output"
+    assert SQL.check(case, Output("", "schema_error", error="schema_error: x")) == {
+        "correct": False,
+        "error": "schema_error: x",
+    }
     rows = [
         {
             "difficulty": "easy",
@@ -150,7 +157,8 @@ def test_cli_tune_sql_records_in_the_sql_file_only(tmp_path, monkeypatch):
     bfcl.write_text(json.dumps({"lazyeviction": {"0.4": {"window": 64, "alpha": 0.001}}}))
     monkeypatch.setattr(tuning, "CONFIGS_PATH", bfcl)
     monkeypatch.setattr(tuning, "SQL_CONFIGS_PATH", sql)
-    assert tuning.effective_config("lazyeviction", 0.4, task="sql") == {}  # nothing tuned on SQL yet
+    with pytest.raises(PaskError, match=r"configs_sql\.json are missing"):  # nothing tuned on SQL yet: no file
+        tuning.effective_config("lazyeviction", 0.4, task="sql")
     args = ["tune", "--task", "sql", "--policy", "lazyeviction", "--budget", "0.4", "--search", "coordinate"]
     args += ["--model", "smollm2-135m", "--dtype", "fp32", "--limit", "1", "--max-new-tokens", "4"]
     res = runner.invoke(app, [*args, "--threads", "1", "--out", str(tmp_path / "tune")])

@@ -12,13 +12,13 @@ import jsonschema
 import pytest
 import torch
 
-from pask.engine import Request, generate
 from pask.errors import PaskError
 from pask.kv.cache import CacheConfig, TieredCache
 from pask.kv.errors import KVCacheError
 from pask.policies import FullPolicy, get_policy
-from pask.serving.capacity import CapacityError, KVCapacity, kv_bytes_per_token, policy_target_b
-from pask.serving.scheduler import SERVE_HEADROOM, Job, Scheduler
+from pask.runtime.capacity import CapacityError, KVCapacity, kv_bytes_per_token, policy_target_b
+from pask.runtime.engine import Request, generate
+from pask.runtime.scheduler import SERVE_HEADROOM, Job, Scheduler
 
 WEATHER = {
     "type": "function",
@@ -157,7 +157,7 @@ def test_continuous_batching_equals_engine_alone(smol, policy, monkeypatch):
 
     Alone without the masked head, batched with it: the head changes no token.
     """
-    from pask.masked_head import ENV
+    from pask.runtime.masked_head import ENV
 
     factory = FullPolicy if policy == "full" else (lambda: get_policy("h2o", budget=0.5))
     engine_policy = (lambda: None) if policy == "full" else factory  # Full KV alone: DynamicCache
@@ -431,7 +431,7 @@ def test_official_openai_client_works_unchanged(server):
 # -- the serving benchmark ---------------------------------------------------------------------
 def test_bandwidth_limit_matches_the_issue_numbers():
     """qwen2.5-coder-0.5b in bf16 at B = 0.33, c = 8: about 1.4x at 8k and 2.0x at 32k context."""
-    from pask.serving.bench import bandwidth_limit
+    from pask.bench.serving import bandwidth_limit
 
     weights, per_token = 494_032_768 * 2, 24 * 2 * 2 * 64 * 2
     assert bandwidth_limit(weights, per_token, 8192, 8, 0.33) == pytest.approx(1.43, abs=0.02)
@@ -441,7 +441,7 @@ def test_bandwidth_limit_matches_the_issue_numbers():
 
 def test_bench_serve_smoke(smol, tmp_path):
     """Tiny loopback run: BFCL inputs near the asked length, every request answered, rows relative to Full KV."""
-    from pask.serving.bench import BenchConfig, bench_serve, write
+    from pask.bench.serving import BenchConfig, bench_serve, write
 
     cfg = BenchConfig(concurrency=2, input_len=300, output_len=4, requests_per_client=1)
     result = bench_serve(smol, {"full": FullPolicy, "snapkv": lambda: get_policy("snapkv", budget=0.4)}, cfg)
@@ -467,7 +467,7 @@ def test_bench_serve_smoke(smol, tmp_path):
 
 def test_soak_run_without_reference_samples_memory(smol):
     """A soak run (no Full KV reference): requests cycle through the bodies, memory is sampled, ratios stay empty."""
-    from pask.serving.bench import BenchConfig, bench_serve, markdown
+    from pask.bench.serving import BenchConfig, bench_serve, markdown
 
     cfg = BenchConfig(concurrency=2, input_len=200, output_len=3, requests_per_client=3, sample_every=0.05)
     sent = []
@@ -483,14 +483,14 @@ def test_soak_run_without_reference_samples_memory(smol):
 
 
 def test_memory_summary_flags_growth_after_warmup():
-    from pask.serving.bench import memory_summary
+    from pask.bench.serving import memory_summary
 
     flat = [(t, 1000 if t < 2 else 2000, 10, 1) for t in range(10)]  # warm-up growth only
     leak = [(t, 1000 + 100 * t, 10, 1) for t in range(10)]
     assert memory_summary(flat)["rss_growth"] == 1.0
     assert memory_summary(leak)["rss_growth"] > 1.2
     assert memory_summary(leak[:2])["rss_growth"] is None
-    from pask.serving.bench import BenchConfig
+    from pask.bench.serving import BenchConfig
 
     with pytest.raises(PaskError, match="sample_every"):
         BenchConfig(sample_every=-1)
@@ -498,8 +498,8 @@ def test_memory_summary_flags_growth_after_warmup():
 
 def test_bench_serve_warms_a_prefill_store(smol, tmp_path, monkeypatch):
     """With warm_prefills every input is stored before the timed runs; without a store it is an error."""
-    from pask.kv.prefill_store import ENV
-    from pask.serving.bench import BenchConfig, bench_serve, markdown
+    from pask.bench.serving import BenchConfig, bench_serve, markdown
+    from pask.runtime.prefill_store import ENV
 
     cfg = BenchConfig(concurrency=2, input_len=300, output_len=3, requests_per_client=1)
     monkeypatch.delenv(ENV, raising=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pask.errors import PaskError
-from pask.evaluation.sql_exec import execution_accuracy, execution_match, run_query
+from pask.tasks.sql_exec import execution_accuracy, execution_match, run_query
 from pask.tasks.text_to_sql import db_path, load_cases
 
 INFINITE = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -10,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import pask.sweep as sweep
+import pask.experiments.sweep as sweep
 from pask.errors import PaskError
 from pask.evaluation.case_rows import read_done
-from pask.evaluation.run_bfcl import run_bfcl, summarize
-from pask.sweep import TASKS, TaskSpec, load_config, parse_config, run_sweep
+from pask.experiments.sweep import TASKS, TaskSpec, load_config, parse_config, run_sweep
+from pask.tasks.bfcl import summarize
 
 TIMING = ("prefill_ms", "tpot_ms")
 
@@ -84,7 +86,8 @@ def no_model(model: str, dtype: str):
 
 
 # -- config --------------------------------------------------------------------------------------------
-def test_config_expands_products_and_grids(tmp_path, fake):
+def test_config_expands_products_and_grids(tmp_path, fake, monkeypatch):
+    monkeypatch.setenv("PASK_ALLOW_UNTUNED", "1")  # h2o at budgets with no tuned entry: its defaults
     data = fake_config(
         tmp_path,
         models=["smollm2-135m", "qwen2.5-coder-0.5b"],
@@ -170,8 +173,8 @@ def test_pask_table_lookup(tmp_path, fake):
 
 def test_pask_cells_build_the_table_policy(tmp_path, fake, smol):
     """pask / pask-prefill / pask-decode take the table of their (model, budget); a new table is a new config."""
-    from pask.calibration.table import FrozenTable
     from pask.policies.pask import PaskPolicy
+    from pask.policies.table import FrozenTable
 
     table = FrozenTable(actions={}, fingerprint=smol.fingerprint, model_name="smollm2-135m", target_b=0.4)
     table.save(tmp_path / "t.json")
@@ -239,11 +242,12 @@ def test_dry_run_lists_states(tmp_path, fake):
     assert sweep.code_version() == sweep.code_version() and sweep.code_version()["key"]
 
 
-def test_cli_sweep(tmp_path):
+def test_cli_sweep(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from pask.cli import app
 
+    monkeypatch.setenv("PASK_ALLOW_UNTUNED", "1")  # h2o at a budget with no tuned entry: its defaults
     (tmp_path / "s.toml").write_text(
         'results_dir = "out"\nmodels = ["smollm2-135m"]\ntasks = ["bfcl"]\nsplits = ["test"]\n'
         'policies = ["full", "h2o"]\nbudgets = [0.5]\n[bfcl]\ncategories = ["simple"]\nlimit = 2\n'
@@ -299,9 +303,10 @@ def smol_config(tmp_path: Path, **over) -> dict:
     return cfg
 
 
-def test_resume_after_kill_mid_cell(tmp_path, smol, monkeypatch):
+def test_resume_after_kill_mid_cell(tmp_path, smol):
     """A sweep killed after k cases keeps them; the rerun adds the rest: every case exactly once."""
     k = 1
+    run_bfcl = TASKS["bfcl"].run_fn()  # the registry's task through the evaluation runner
 
     def killed_after_k(lm, cases, out_dir, *args, **kwargs):
         progress, done = args[3], {"n": 0, "first": True}
@@ -316,17 +321,19 @@ def test_resume_after_kill_mid_cell(tmp_path, smol, monkeypatch):
 
         return run_bfcl(lm, cases, out_dir, *args[:3], advance, *args[4:], **kwargs)
 
-    monkeypatch.setitem(TASKS, "bfcl", replace(TASKS["bfcl"], runner=killed_after_k))
+    TASKS["bfcl"] = replace(TASKS["bfcl"], runner=killed_after_k)  # a spec of its own, until deleted
     cfg = parse_config(smol_config(tmp_path), tmp_path)
-    with pytest.raises(KeyboardInterrupt):
-        run_sweep(cfg, load=lambda m, d: smol)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_sweep(cfg, load=lambda m, d: smol)
+    finally:
+        del TASKS["bfcl"]  # back to the registry's task
     cell_dir = cfg.results_dir / cfg.cells[0].rel_dir
     assert json.loads((cell_dir / "cell.json").read_text())["status"] == "running"
     assert json.loads((cfg.results_dir / "sweep.json").read_text())["cells"][cfg.cells[0].name]["state"] == "unfinished"
     assert len(rows_of(cell_dir)) == k
     with open(cell_dir / "cases.jsonl", "a") as f:
         f.write('{"id": "simple_python_9", "category": "sim')  # killed mid-write
-    monkeypatch.undo()
     record = run_sweep(cfg, load=lambda m, d: smol)
     ids = [r["id"] for r in rows_of(cell_dir)]
     expected = [c.id for c in cfg.cells[0].load_cases()]
@@ -344,6 +351,8 @@ def test_resume_after_kill_mid_cell(tmp_path, smol, monkeypatch):
 def test_ray_matches_in_process(tmp_path, smol):
     """Cells run as sharded Ray tasks on a local 2-CPU Ray instance give the in-process rows."""
     ray = pytest.importorskip("ray")
+    from pask.experiments.ray_shards import run_cells_ray
+
     data = smol_config(tmp_path, policies=["full", "kivi-4"], budgets=[0.5])
     data["bfcl"] = {"categories": ["simple", "multiple"], "limit": 1, "batch_size": 2, "max_new_tokens": 12}
     local = parse_config(data, tmp_path)
@@ -351,7 +360,7 @@ def test_ray_matches_in_process(tmp_path, smol):
     remote = parse_config(data, tmp_path, results_dir=tmp_path / "ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        record = run_sweep(remote, ray_address="auto", shard_size=1)
+        record = run_sweep(remote, ray_address="auto", shard_size=1, ray_runner=run_cells_ray)
     finally:
         ray.shutdown()
     assert record["mode"] == "ray"
@@ -414,7 +423,7 @@ def test_adopt_refuses_other_runs(tmp_path, fake, ids, run_over, why):
 
 
 def test_adopt_checks_the_pask_table(tmp_path, fake):
-    from pask.calibration.table import FrozenTable
+    from pask.policies.table import FrozenTable
 
     table = tmp_path / "t.json"
     FrozenTable(actions={}, fingerprint="none", model_name="smollm2-135m", target_b=0.33).save(table)
@@ -482,3 +491,41 @@ def test_records_the_policy_parameters_a_cell_ran_with(tmp_path, fake, monkeypat
     h2o = json.loads((res / "h2o-b0.5/cell.json").read_text())["runs"][0]
     full = json.loads((res / "full-b1/cell.json").read_text())["runs"][0]
     assert h2o["policy_params"] == {"sink": 2, "recent": 16} and "policy_params" not in full
+
+
+# -- progress without a terminal --------------------------------------------------------------------
+def test_prints_a_line_per_finished_cell_without_a_tty(tmp_path, fake, capsys):
+    cfg = parse_config(fake_config(tmp_path), tmp_path)
+    run_sweep(cfg, load=no_model)  # capsys: stdout is not a terminal (a log file, CI)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "sweep: 2 of 2 cells to run (8 cases)"
+    cells = [line for line in lines if line.startswith("[")]
+    assert [line.split(": ")[0] for line in cells] == [
+        "[1/2] smollm2-135m/fake/test/full-b1",
+        "[2/2] smollm2-135m/fake/test/kivi-4-b0.5",
+    ]
+    for line in cells:
+        assert re.search(r": 4 cases \(4 run now\), accuracy 50\.00, B (\d\.\d{3}|–), \d+\.\d s$", line), line
+    run_sweep(cfg, load=no_model)  # nothing left to run: the opening line only
+    assert capsys.readouterr().out.splitlines() == ["sweep: 0 of 2 cells to run (0 cases)"]
+
+
+def test_keeps_quiet_on_a_terminal(tmp_path, fake, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out, err = Terminal(), Terminal()
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    seen = []
+    run_sweep(parse_config(fake_config(tmp_path), tmp_path), load=no_model, progress=lambda *a: seen.append(a))
+    assert out.getvalue() == "" and seen[-1][:2] == (8, 8)  # the progress bar (callback) only
+
+
+def test_cell_line():
+    summary = {"overall": {"n": 40, "ex": 32.5}, "measured_b": 0.3314}
+    assert sweep.cell_line("m/sql/dev/pask-b0.33", 40, 12, summary, 81.25, "2/5") == (
+        "[2/5] m/sql/dev/pask-b0.33: 40 cases (12 run now), EX 32.50, B 0.331, 81.2 s"
+    )
+    assert sweep.cell_line("c", 3, 0, {}, 0.0) == "c: 3 cases (0 run now), no score, B –, 0.0 s"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pask.errors import PaskError
+from pask.structure.sql_schema import quote_identifier
 from pask.tasks.spider_hardness import LEVELS, spider_hardness
 from pask.tasks.sql_prompt import SPAN_KINDS, build_messages, schema_ddl
-from pask.tasks.sql_schema import quote_identifier
 from pask.tasks.text_to_sql import (
     DEFAULT_DATA_DIR,
     SPLIT_FRACTIONS,

@@ -1,9 +1,9 @@
 """Offline calibration of the PASK table: sensitivity floors, distortion-ranked upgrades, frozen table file.
 
 Entry points: :func:`pask.calibration.calibrate.calibrate` (and ``calibrate_command`` /
-``check_dev`` there), :func:`pask.calibration.table.load`, :func:`pask.calibration.solver.solve`.
+``check_dev`` there), :func:`pask.policies.table.load`, :func:`pask.calibration.solver.solve`.
 """
 
-from pask.calibration.table import FORMAT_VERSION, FrozenTable, load
+from pask.policies.table import FORMAT_VERSION, FrozenTable, load
 
 __all__ = ["FORMAT_VERSION", "FrozenTable", "load"]

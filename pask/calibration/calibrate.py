@@ -30,12 +30,12 @@ from pask.calibration.distortion import run_distortion
 from pask.calibration.screening import screen_all, screen_control_correct
 from pask.calibration.sensitivity import probe_policy, run_sensitivity
 from pask.calibration.solver import ORDER, BucketInput, Solution, cost, envelope, floor_action, solve
-from pask.calibration.table import FrozenTable
 from pask.calibration.tasks import default_max_new_tokens, get_task
 from pask.errors import PaskError
-from pask.kv.budget import CostModel
+from pask.kv.budget import CostModel, check_budget
 from pask.kv.cache import CacheConfig, attention_spec
 from pask.policies.pask import PaskPolicy
+from pask.policies.table import FrozenTable
 
 Progress = Callable[[str, int, int], None]  # (phase, advance, total)
 
@@ -99,8 +99,7 @@ def calibrate(
     all of them); ``"allowed"`` only for the actions at or above each bucket's floor, the only D
     values the solver reads (re-solving at other tolerances measures what they add).
     """
-    if not 0 < budget <= 1:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    check_budget(budget, "--budget")
     out = Path(out)
     cases, cats = _cases(task, split, categories, limit)
     hooks = get_task(task)
@@ -490,7 +489,7 @@ def calibrate_command(
     """``pask calibrate --model M --task bfcl --split calibration --budget 0.33 --out FILE [--limit N]``."""
     import torch
 
-    from pask.models import load_model
+    from pask.runtime.models import load_model
 
     _cases(task, split, kwargs.get("categories"), limit)  # validate before loading the model
     lm = load_model(model, dtype=dtype or torch.bfloat16)

@@ -25,11 +25,11 @@ import torch
 
 from pask.calibration.buckets import ControlRow
 from pask.calibration.distortion import AttnCapture
-from pask.calibration.table import FrozenTable
-from pask.calibration.tasks import CalibrationTask, get_task
-from pask.engine import generate
+from pask.calibration.tasks import CalibrationTask, default_max_new_tokens, get_task
 from pask.evaluation.case_rows import read_done
 from pask.policies.pask import PaskPolicy
+from pask.policies.table import FrozenTable
+from pask.runtime.engine import generate
 
 
 def all_h_policy(fingerprint: str, num_groups: int, recent_window: int) -> PaskPolicy:
@@ -71,7 +71,7 @@ def run_control(
     cases: list,
     work_dir: Path,
     batch_size: int = 8,
-    max_new_tokens: int = 384,
+    max_new_tokens: int | None = None,  # default: the task's (pask.tasks.Task.default_max_new_tokens)
     num_groups: int = 4,
     recent_window: int = 8,
     progress: Callable[[str, int, int], None] | None = None,
@@ -79,6 +79,7 @@ def run_control(
 ) -> ControlRun:
     """Run (or resume) the control; see the module docstring for the files. ``task``: BFCL by default."""
     task = task or get_task("bfcl")
+    max_new_tokens = max_new_tokens or default_max_new_tokens(task.name)
     out = work_dir / "control"
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "cases.jsonl"

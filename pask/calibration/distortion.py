@@ -4,7 +4,7 @@ The attention output of layer ``l`` is the input of its ``self_attn.o_proj`` (al
 concatenated, before the output projection), captured by a forward pre-hook at every decode
 step. The control run (:mod:`pask.calibration.control`) stores, per case, the capture of each
 decode step ``[steps, layers, hidden]``. A probe replays the same cases in the same batches with
-teacher forcing: :func:`pask.kv.runner.decode_with_policy` on a real :class:`TieredCache`
+teacher forcing: :func:`pask.runtime.runner.decode_with_policy` on a real :class:`TieredCache`
 (INT4 packing and release are real), its ``next_token_fn`` returning the control's generated
 tokens, so every step sees exactly the control's sequence and only the cache differs.
 
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from pask.kv.cache import CacheConfig, layer_groups
-from pask.kv.runner import decode_with_policy
 from pask.policies.base import ActionSpec, SeqContext
+from pask.runtime.runner import decode_with_policy
 
 FORCED_STOP = -1  # returned by the forcing next_token_fn once a row's tokens are used up
 

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pask.calibration.screening import Screen, screen_all
-from pask.calibration.table import FrozenTable
-from pask.calibration.tasks import CalibrationTask, get_task
+from pask.calibration.tasks import CalibrationTask, default_max_new_tokens, get_task
 from pask.evaluation.case_rows import read_done
 from pask.policies.pask import PaskPolicy
+from pask.policies.table import FrozenTable
 
 
 def read_records(path: Path) -> dict[tuple[str, str], dict]:
@@ -53,7 +53,7 @@ def run_sensitivity(
     candidates: list[tuple[str, str]],
     work_dir: Path,
     batch_size: int = 8,
-    max_new_tokens: int = 384,
+    max_new_tokens: int | None = None,  # default: the task's (pask.tasks.Task.default_max_new_tokens)
     progress: Callable[[str, int, int], None] | None = None,
     task: CalibrationTask | None = None,
     screen: Screen | None = None,
@@ -63,6 +63,7 @@ def run_sensitivity(
     ``screen``: run the probes on its cases only and weigh their flips (default: every case of
     ``cases`` that the control ran, weight 1 / n)."""
     task = task or get_task("bfcl")
+    max_new_tokens = max_new_tokens or default_max_new_tokens(task.name)
     n = control.summary["overall"]["n"]
     ctrl = {r.id: r.correct for r in control.rows}
     screen = screen or screen_all([c.id for c in cases if c.id in ctrl], n)

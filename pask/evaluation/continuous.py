@@ -1,10 +1,10 @@
 """Continuous batching for the offline task runners: a row leaves the batch when it stops.
 
-Static batches (:func:`pask.engine.generate`) decode until their longest request stops, so one
+Static batches (:func:`pask.runtime.engine.generate`) decode until their longest request stops, so one
 request that runs to ``max_new_tokens`` keeps its whole batch stepping (text-to-SQL outputs are
 mostly short, a few run to 256 tokens; ``benchmarks/continuous_batching.py`` measures the gain).
 Here the waiting requests take the freed rows at the next step boundary instead, through the
-serving :class:`~pask.serving.scheduler.Scheduler` (per-request policy instance, tiered cache row,
+serving :class:`~pask.runtime.scheduler.Scheduler` (per-request policy instance, tiered cache row,
 grammar and stop condition). Every policy runs on the tiered cache (Full KV as the ``full``
 policy), each prompt is prefilled alone (no padding), and results arrive in finishing order.
 Greedy decoding does not depend on the batch it runs in (up to floating-point rounding, which in
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, TypeVar
 from pask.errors import PaskError
 
 if TYPE_CHECKING:  # this module stays light: the sweep and the CLI check ``batching`` before loading torch
-    from pask.engine import Generation, Request
     from pask.kv.cache import CacheConfig
-    from pask.models import LoadedModel
+    from pask.runtime.engine import Generation, Request
+    from pask.runtime.models import LoadedModel
 
 K = TypeVar("K")
 
@@ -51,7 +51,7 @@ def decode_continuous(
     """
     from pask.kv.cache import CacheConfig
     from pask.policies.full import FullPolicy
-    from pask.serving.scheduler import Job, Scheduler
+    from pask.runtime.scheduler import Job, Scheduler
 
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")

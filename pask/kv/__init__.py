@@ -1,6 +1,6 @@
 """Tiered KV cache: BF16 (H), packed INT4 (L) or released (R) per token × layer group.
 
-Typical use (see :mod:`pask.kv.runner` for a complete loop)::
+Typical use (see :mod:`pask.runtime.runner` for a complete loop)::
 
     from pask.kv import Action, CacheConfig, TieredCache, use_pask_attention
 

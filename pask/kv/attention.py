@@ -41,7 +41,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import AttentionInterface
 
 from pask.kv import native_attention, stats
-from pask.kv.cache import TieredLayer, active_layer, attention_spec
+from pask.kv.actions import Action
+from pask.kv.cache import CacheConfig, TieredCache, TieredLayer, active_layer, attention_config, attention_spec
 from pask.kv.errors import UnsupportedModelError
 from pask.kv.storage import _SeqStore
 
@@ -243,3 +244,29 @@ def use_pask_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield model
     finally:
         model.set_attn_implementation(prev)
+
+
+def native_agreement() -> float | None:
+    """The native kernel against :func:`tiered_attention_reference` on random tiers (H, INT4, INT2,
+    released): ``None`` if it agrees within bf16 rounding, else the largest error."""
+    gen = torch.Generator().manual_seed(0)
+    for hkv, grp, d, n, bits in ((2, 7, 64, 200, 4), (1, 3, 128, 70, 4), (2, 7, 64, 150, 2)):
+        cfg = attention_config(hkv, grp, d)
+        cache = TieredCache(cfg, CacheConfig(num_groups=1, recent_window=2, low_bits=bits), 1)
+        k = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
+        v = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
+        cache.update(k, v, 0)
+        tier = torch.randint(0, 3, (n - 2,), generator=gen)
+        for a in (Action.L, Action.R):
+            cache.apply(0, 0, torch.nonzero(tier == int(a)).flatten(), a)
+        store = cache.layers[0].seqs[0]
+        q = torch.randn(1, hkv * grp, 1, d, generator=gen).to(torch.bfloat16)
+        want = tiered_attention_reference(q[0], store, d**-0.5).float()[0]
+        got = native_attention.decode_layer(cache.layers[0], q, d**-0.5)[0, 0].float()
+        err = float((got - want).abs().max())
+        if not err <= 0.02 * max(1.0, float(want.abs().max())):
+            return err
+    return None
+
+
+native_attention.set_reference_check(native_agreement)

@@ -12,13 +12,32 @@ same definitions hold with 4-byte values).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from pask.errors import PaskError
 from pask.kv.actions import Action
 from pask.kv.quant import lowbit_bytes_per_vector
+
+
+def check_budget(budget, name: str = "budget") -> float:
+    """A target budget B as a float in (0, 1]; :class:`PaskError` "NAME must be in (0, 1], got X" otherwise.
+
+    The one check of a budget given by a user: the CLI (``name="--budget"``), sweep configs and
+    the policies' constructors all call it.
+    """
+    if isinstance(budget, bool):
+        raise PaskError(f"{name} must be a number in (0, 1], got {budget!r}")
+    try:
+        b = float(budget)
+    except (TypeError, ValueError):
+        raise PaskError(f"{name} must be a number in (0, 1], got {budget!r}") from None
+    if math.isnan(b) or not 0.0 < b <= 1.0:
+        raise PaskError(f"{name} must be in (0, 1], got {budget}")
+    return b
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from pask.kv import native_attention
 from pask.kv.actions import Action
 from pask.kv.budget import BudgetMeter
+from pask.kv.config import CacheConfig
 from pask.kv.errors import (
     AlreadyReleasedError,
     IrreversibleActionError,
@@ -42,40 +43,10 @@ from pask.kv.errors import (
     UnknownPositionError,
     UnsupportedModelError,
 )
-from pask.kv.quant import check_bits, check_group
+from pask.kv.quant import check_group
 from pask.kv.storage import _NONE, CopyStats, _GroupIndex, _SeqStore
 
 H, L, R = int(Action.H), int(Action.L), int(Action.R)
-
-
-@dataclass
-class CacheConfig:
-    """Tiered-cache settings."""
-
-    num_groups: int = 4  # contiguous layer groups sharing one action per token
-    recent_window: int = 8  # last tokens of each sequence, always H, no action allowed
-    quant_group: int = 32  # INT4 scale/zero group along head_dim
-    initial_capacity: int = 64  # tokens per tier at first allocation
-    shrink_below: float = 0.5  # reallocate a tier to 1.25 x its live slots when live < capacity * shrink_below
-    dequant_block: int = 256  # INT4 tokens dequantised at a time by the reference attention
-    fast_path: bool = True  # use a fused CPU decode path when one applies (bf16 on CPU)
-    native: bool = True  # prefer the compiled kernel (native_attention.cpp) over PyTorch's fused kernels
-    key_balance: bool = True  # balance INT4 keys per channel before quantising (see storage.key_balance)
-    low_bits: int = 4  # code width of the L tier: 4 (INT4) or 2 (INT2, for KIVI-2)
-    headroom: int = 0  # spare slots of a tier's first allocation (0: doubling from initial_capacity)
-
-    def __post_init__(self) -> None:
-        if self.num_groups < 1:
-            raise KVCacheError(f"num_groups must be >= 1, got {self.num_groups}")
-        if self.recent_window < 0:
-            raise KVCacheError(f"recent_window must be >= 0, got {self.recent_window}")
-        if self.initial_capacity < 1 or self.dequant_block < 1:
-            raise KVCacheError("initial_capacity and dequant_block must be >= 1")
-        if self.headroom < 0:
-            raise KVCacheError(f"headroom must be >= 0, got {self.headroom}")
-        if not 0.0 <= self.shrink_below < 0.8:
-            raise KVCacheError(f"shrink_below must be in [0, 0.8), got {self.shrink_below}")
-        check_bits(self.low_bits)
 
 
 def config_for(policy, config: CacheConfig | None = None) -> CacheConfig:

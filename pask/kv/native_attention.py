@@ -8,35 +8,40 @@ run in parallel (OpenMP, ``torch.get_num_threads()`` threads). It replaces the p
 path (PyTorch's flash kernel + six int4-GEMM calls per sequence and layer), whose fixed cost and
 compute-bound INT4 GEMM made an INT4 token slower to read than a BF16 one on this CPU.
 
-Build: compiled on first use by :mod:`pask.native` (``-O3 -march=native -fopenmp``; AVX-512 or
+Build: compiled on first use by :mod:`pask.cpu.native` (``-O3 -march=native -fopenmp``; AVX-512 or
 AVX2 + FMA kernels where the CPU has them, portable loops otherwise). Where the CPU has AMX (BF16
 tiles) and the OS grants tile state, both tiers run on tiles, each in two passes (every score of
 the tier, one softmax step, then the values in tile accumulators): BF16 keys read in place against
 the bf16 query (exact products); INT4 codes widened to exact bf16; fp32 query rows (INT4) and
 weights split into two bf16 parts (FP32-level accuracy) (:func:`use_amx`, ``PASK_AMX=0``). A start-up
-probe checks the library against the reference attention on random tiers. Without a compiler, or
-if the probe fails, :func:`available` is False and the previous paths run. ``PASK_NATIVE=0``
-disables it.
+probe checks the library against the reference attention on random tiers. ``PASK_NATIVE=0``
+disables it (:func:`available` is False and the previous paths run). Without a compiler, without
+the source (a broken install), or if the probe fails, :func:`available` raises
+:class:`pask.cpu.native.NativeKernelError` with the reason; ``PASK_ALLOW_FALLBACK=1`` makes it warn
+and return False instead (the previous paths run; :func:`pask.cpu.native.unavailable`).
+:func:`status` reports the state without raising.
 """
 
 from __future__ import annotations
 
 import ctypes
 import subprocess
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from pask import native
+from pask.cpu import native
 
-SOURCE = Path(__file__).with_name("native_attention.cpp")
+SOURCE = Path(__file__).parents[1] / "cpu" / "native_attention.cpp"
 FLAGS = [*native.COMMON_FLAGS, "-mprefer-vector-width=512"]
 FLAGS += ["-ffp-contract=off"]  # no fused multiply-add where PyTorch rounds twice (the INT4 move)
 MAX_ROWS, MAX_DIM, GROUP = 16, 128, 32  # query rows per kv head, head_dim, quantisation group
 
 _LIB: ctypes.CDLL | None = None
 _STATE: str | None = None  # None: not tried; "ok"; or why it is unavailable
+_WARNED = False  # the fallback warning (PASK_ALLOW_FALLBACK=1) was given for this probe
+_REFERENCE_CHECK: Callable[[], float | None] | None = None
 
 
 def library_path() -> Path:
@@ -69,7 +74,10 @@ def _load() -> ctypes.CDLL:
 
 
 def _probe() -> str:
-    """Build, load and compare with the reference attention on random tiers; "ok" or the reason."""
+    """Build, load and compare with the reference attention on random tiers; "ok" or the reason.
+
+    The comparison is :func:`pask.kv.attention.native_agreement` (it builds tiered caches, which
+    live above this module), registered through :func:`set_reference_check`."""
     global _LIB
     if native.disabled():
         return "disabled by PASK_NATIVE=0"
@@ -77,46 +85,52 @@ def _probe() -> str:
         _LIB = _load()
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"unavailable: {e}"
-    from pask.kv.actions import Action
-    from pask.kv.attention import tiered_attention_reference
-    from pask.kv.cache import CacheConfig, TieredCache, attention_config
-
-    gen = torch.Generator().manual_seed(0)
-    for hkv, grp, d, n, bits in ((2, 7, 64, 200, 4), (1, 3, 128, 70, 4), (2, 7, 64, 150, 2)):
-        cfg = attention_config(hkv, grp, d)
-        cache = TieredCache(cfg, CacheConfig(num_groups=1, recent_window=2, low_bits=bits), 1)
-        k = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
-        v = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
-        cache.update(k, v, 0)
-        tier = torch.randint(0, 3, (n - 2,), generator=gen)
-        for a in (Action.L, Action.R):
-            cache.apply(0, 0, torch.nonzero(tier == int(a)).flatten(), a)
-        store = cache.layers[0].seqs[0]
-        q = torch.randn(1, hkv * grp, 1, d, generator=gen).to(torch.bfloat16)
-        want = tiered_attention_reference(q[0], store, d**-0.5).float()[0]
-        got = decode_layer(cache.layers[0], q, d**-0.5)[0, 0].float()
-        err = float((got - want).abs().max())
-        if not err <= 0.02 * max(1.0, float(want.abs().max())):
-            _LIB = None
-            return f"probe mismatch (max abs error {err:.4f})"
+    if _REFERENCE_CHECK is None:
+        _LIB = None
+        return "unavailable: no reference check registered (import pask.kv first)"
+    err = _REFERENCE_CHECK()
+    if err is not None:
+        _LIB = None
+        return f"probe mismatch (max abs error {err:.4f})"
     return "ok"
 
 
-def available() -> bool:
-    """Whether the native kernel is built, loaded and agrees with the reference (cached per process)."""
-    global _STATE
+def set_reference_check(check: Callable[[], float | None]) -> None:
+    """Register the probe's comparison with the reference attention: ``None`` if the kernel agrees,
+    else the largest error (called once, with the library loaded, by :func:`available`)."""
+    global _REFERENCE_CHECK
+    _REFERENCE_CHECK = check
+
+
+def _state() -> str:
+    """Probe once per process (never raises); ``"ok"``, ``"probing"`` (during the probe) or why not."""
+    global _STATE, _WARNED
     if _STATE is None:
-        _STATE = "probing"
+        _STATE, _WARNED = "probing", False
         _STATE = _probe()
-        if _STATE != "ok" and not _STATE.startswith("disabled"):
-            warnings.warn(f"pask native attention {_STATE}; using the PyTorch path", stacklevel=2)
-    return _STATE in ("ok", "probing")
+    return _STATE
+
+
+def available() -> bool:
+    """Whether the native kernel is built, loaded and agrees with the reference (cached per process).
+
+    False with ``PASK_NATIVE=0``. A kernel that could not be built, loaded or probed raises
+    :class:`pask.cpu.native.NativeKernelError`, or with ``PASK_ALLOW_FALLBACK=1`` warns (once) and
+    gives False.
+    """
+    global _WARNED
+    state = _state()
+    if state in ("ok", "probing"):
+        return True
+    if not state.startswith("disabled"):
+        native.unavailable("native attention", state, "the PyTorch path", warn=not _WARNED)
+        _WARNED = True
+    return False
 
 
 def status() -> str:
-    """``"ok"`` or why the native kernel is not used."""
-    available()
-    return _STATE or "not probed"
+    """``"ok"`` or why the native kernel is not used (probes on first use; never raises)."""
+    return _state()
 
 
 def use_amx(on: bool) -> bool:
@@ -129,7 +143,7 @@ def use_amx(on: bool) -> bool:
 
 def isa() -> str | None:
     """The instruction set the kernels run (``avx512+amx``, ``avx512``, ``avx2``, ``portable``), or None."""
-    return _LIB.pask_attention_isa().decode() if available() and _LIB is not None else None
+    return _LIB.pask_attention_isa().decode() if _state() == "ok" and _LIB is not None else None
 
 
 def applies(query: torch.Tensor, layer) -> bool:

@@ -82,7 +82,7 @@ class StatsRequest:
 
 @functools.cache
 def _bf16_gemm_is_slow() -> bool:
-    from pask.bf16_matmul import cpu_has_bf16
+    from pask.cpu.bf16_matmul import cpu_has_bf16
 
     return not cpu_has_bf16()
 

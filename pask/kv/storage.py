@@ -29,7 +29,7 @@ from pask.kv.quant import (
 )
 
 if TYPE_CHECKING:
-    from pask.kv.cache import CacheConfig
+    from pask.kv.config import CacheConfig
 
 H, L, R = int(Action.H), int(Action.L), int(Action.R)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from pask.errors import PaskError
 from pask.kv.actions import Action
+from pask.kv.budget import check_budget as kv_check_budget
 from pask.kv.stats import ALL
 from pask.policies.base import ActionSpec, SeqContext
 
@@ -38,14 +39,8 @@ H = int(Action.H)
 
 
 def check_budget(budget, policy: str) -> float:
-    """The target budget as a float in (0, 1], else PaskError."""
-    try:
-        b = float(budget)
-    except (TypeError, ValueError):
-        raise PaskError(f"{policy}: budget must be a number in (0, 1], got {budget!r}") from None
-    if not (0.0 < b <= 1.0) or math.isnan(b):
-        raise PaskError(f"{policy}: budget must be in (0, 1], got {budget}")
-    return b
+    """The target budget as a float in (0, 1], else PaskError (:func:`pask.kv.budget.check_budget`)."""
+    return kv_check_budget(budget, f"{policy}: budget")
 
 
 def check_choice(value, choices, what: str, policy: str):
@@ -81,7 +76,7 @@ def check_range(value, lo: float, hi: float, what: str, policy: str, lo_open: bo
 def need(stat: torch.Tensor | None, what: str, policy: str) -> torch.Tensor:
     """A statistic the policy asked for (a clear error if the session did not provide it)."""
     if stat is None:
-        raise PaskError(f"{policy}: the session gave no {what}; run it through a TieredSession (pask.kv.session)")
+        raise PaskError(f"{policy}: the session gave no {what}; run it through a TieredSession (pask.runtime.session)")
     return stat
 
 

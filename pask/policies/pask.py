@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from pask.calibration.table import FrozenTable, parse_action
 from pask.errors import PaskError
 from pask.kv.actions import Action
 from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.table import FrozenTable, parse_action
 from pask.structure.tags import Bucket, PromptLabel, Tag
 
 _H, _L, _R = int(Action.H), int(Action.L), int(Action.R)
@@ -141,10 +141,10 @@ def make_pask_policy(
     """Registry / CLI factory: ``table`` is a :class:`FrozenTable` or the path of a table file.
 
     ``fingerprint`` (the loaded model's) is checked against the table's (see
-    :func:`pask.calibration.table.load`). The budget is the table's: a ``budget`` that differs from
+    :func:`pask.policies.table.load`). The budget is the table's: a ``budget`` that differs from
     the table's ``target_b`` is an error (calibrate a table for that budget instead).
     """
-    from pask.calibration.table import load
+    from pask.policies.table import load
 
     if not isinstance(table, FrozenTable):
         table = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)

@@ -8,6 +8,13 @@ first in grid order) and records it in the task's configuration file as
 for text-to-SQL (:func:`configs_path_for`; a configuration tuned on one task's dev split is not
 applied to another). :func:`tuned_config` reads it back.
 
+Strictness: the configuration files ship with the package (package data); a missing file is a
+broken install and raises :class:`PaskError`. A policy with a non-empty Table 8 grid that has no
+entry at the requested budget raises too (it would silently run untuned), unless the caller gives
+its own configuration (``--policy-config``, a sweep's ``policy_config``) or ``PASK_ALLOW_UNTUNED=1``
+is set; both opt-outs run the policy's defaults under the user's parameters, as before. Policies
+without a grid (MiKV, KIVI, Full, PASK) have nothing to tune and never need an entry.
+
 The grids use the policies' parameter names. Table 8 knobs without a counterpart here: MiKV's
 high-precision ratio (set by the budget: ``(B - c) / (1 - c)``), its 2-bit width and group sizes
 64/128 (the cache has one INT4 tier with the cache's group size), so MiKV has nothing to tune.
@@ -208,12 +215,35 @@ def _write_choice(path: Path, policy: str, budget: float, params: dict) -> None:
     tmp.replace(path)
 
 
+ALLOW_UNTUNED_ENV = "PASK_ALLOW_UNTUNED"
+
+
+def allow_untuned() -> bool:
+    """Whether ``PASK_ALLOW_UNTUNED=1`` lets baselines run their defaults where nothing was tuned."""
+    return os.environ.get(ALLOW_UNTUNED_ENV, "0") == "1"
+
+
 def tuned_config(policy: str, budget: float, configs_path: str | os.PathLike = CONFIGS_PATH) -> dict:
-    """The tuned parameters of ``policy`` at ``budget`` (``{}`` when none were recorded)."""
+    """The tuned parameters of ``policy`` at ``budget`` (``{}`` when none were recorded).
+
+    :class:`PaskError` when the file does not exist (a broken install: the files are package data),
+    unless ``PASK_ALLOW_UNTUNED=1`` (then ``{}``), or is not a JSON object.
+    """
     path = Path(configs_path)
     if not path.exists():
-        return {}
-    return dict(json.loads(path.read_text()).get(policy, {}).get(budget_key(budget), {}))
+        if allow_untuned():
+            return {}
+        raise PaskError(
+            f"the tuned baseline configurations {path} are missing (package data of pask: reinstall it); "
+            f"{ALLOW_UNTUNED_ENV}=1 runs the baselines with their untuned defaults"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PaskError(f"tuned configurations {path} are not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise PaskError(f"tuned configurations {path} do not hold a JSON object")
+    return dict(data.get(policy, {}).get(budget_key(budget), {}))
 
 
 def configs_path_for(task: str) -> Path:
@@ -222,5 +252,17 @@ def configs_path_for(task: str) -> Path:
 
 
 def effective_config(policy: str, budget: float, user: Mapping[str, Any] | None = None, task: str = "bfcl") -> dict:
-    """The parameters a policy runs with on ``task``: its tuned configuration at ``budget`` under ``user``'s."""
-    return {**tuned_config(policy, budget, configs_path_for(task)), **(user or {})}
+    """The parameters a policy runs with on ``task``: its tuned configuration at ``budget`` under ``user``'s.
+
+    :class:`PaskError` when a policy with a Table 8 grid has no tuned entry at ``budget`` for
+    ``task`` and ``user`` is empty, unless ``PASK_ALLOW_UNTUNED=1`` (see the module docstring).
+    """
+    path = configs_path_for(task)
+    tuned = tuned_config(policy, budget, path)
+    if not tuned and not user and TABLE8_GRIDS.get(policy) and not allow_untuned():
+        raise PaskError(
+            f"no tuned configuration of {policy} at B={budget:g} for task {task} in {path.name}: tune it "
+            f"(`pask tune --task {task} --policy {policy} --budget {budget:g}`), give the parameters "
+            f"(--policy-config or a sweep's policy_config), or set {ALLOW_UNTUNED_ENV}=1 to run its defaults"
+        )
+    return {**tuned, **(user or {})}

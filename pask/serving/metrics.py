@@ -38,7 +38,7 @@ class Metrics:
             self.requests[outcome] = self.requests.get(outcome, 0) + 1
 
     def observe(self, job) -> None:
-        """Record a finished :class:`~pask.serving.scheduler.Job`."""
+        """Record a finished :class:`~pask.runtime.scheduler.Job`."""
         outcome = "ok" if job.stop not in ("cancelled", "error") else job.stop
         n = len(job.generated)
         with self._lock:

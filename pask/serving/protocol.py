@@ -1,4 +1,4 @@
-"""OpenAI chat completions: a request body -> an engine :class:`~pask.engine.Request`, and the responses.
+"""OpenAI chat completions: a request body -> an engine :class:`~pask.runtime.engine.Request`, and the responses.
 
 Grammar by request:
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import jsonschema
 
-from pask.engine import Request, eos_ids
 from pask.errors import PaskError
+from pask.runtime.tokens import Request, eos_ids
 from pask.structure.constraint import Constraint, SchemaError, lark_json, ll_tokenizer
 from pask.tasks.function_calling import TOOL_CALL_OPEN, FunctionCase, build_grammar, build_prompt, marker, parse_calls
 

@@ -18,8 +18,9 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from pask.models import LoadedModel
-from pask.serving.capacity import CapacityError
+from pask.runtime.capacity import CapacityError
+from pask.runtime.models import LoadedModel
+from pask.runtime.scheduler import Job, Scheduler
 from pask.serving.metrics import Metrics
 from pask.serving.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -35,7 +36,6 @@ from pask.serving.protocol import (
     tool_calls_of,
     usage,
 )
-from pask.serving.scheduler import Job, Scheduler
 from pask.serving.worker import Worker
 from pask.tasks.function_calling import TOOL_CALL_OPEN
 

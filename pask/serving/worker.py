@@ -19,9 +19,9 @@ import traceback
 
 import torch
 
-from pask import openmp
+from pask.cpu import openmp
+from pask.runtime.scheduler import Job, Scheduler
 from pask.serving.metrics import Metrics
-from pask.serving.scheduler import Job, Scheduler
 
 log = logging.getLogger("pask.serve")
 IDLE_WAIT_S = 0.2
@@ -41,7 +41,7 @@ class Worker:
         self._publish()
 
     def start(self) -> None:
-        """Start the decode thread, first ending the OpenMP pool of the calling thread (see :mod:`pask.openmp`)."""
+        """Start the decode thread, first ending the OpenMP pool of the calling thread (see :mod:`pask.cpu.openmp`)."""
         openmp.release_pool()
         self._thread.start()
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import llguidance
 
 from pask.errors import PaskError
-from pask.tasks.sql_schema import Schema, is_bare_identifier
+from pask.structure.sql_schema import Schema, is_bare_identifier
 
 _KEYWORD_TEXT = """
 all and as asc between by case cast collate create cross delete desc distinct drop else end

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pask.errors import PaskError
-from pask.evaluation.bfcl import CATEGORIES, bfcl_data_dir, load_possible_answers
 from pask.structure.constraint import lark_json
+from pask.structure.schema_check import check_json_schema
+from pask.tasks.bfcl_checker import CATEGORIES, bfcl_data_dir, load_possible_answers
 
 NON_LIVE = ("simple", "multiple", "parallel", "parallel_multiple")
 LIVE = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
@@ -239,6 +240,51 @@ def call_schema(tool: dict) -> dict:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_tools(tools: list[dict]) -> None:
+    """Raise :class:`PaskError` naming the tool and property if the tools cannot make a grammar.
+
+    Needs no tokenizer or model, so callers run it before loading one. Checks each tool's shape
+    (``{"type": "function", "function": {"name": ..., "parameters": {...}}}``, a legal unique
+    name, an object ``parameters`` schema; a missing ``parameters`` means no arguments), each
+    ``parameters`` schema with :func:`pask.structure.schema_check.check_json_schema` (typos, the
+    meta-schema, satisfiability, llguidance's own compile).
+    Messages read ``tool 'get_weather', property 'days': minimum 10 > maximum 1``.
+    """
+    if not isinstance(tools, list):
+        raise PaskError(f"tools must be a list, got {type(tools).__name__}")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            raise PaskError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise PaskError(f"tools[{i}] has no name: 'function' needs a 'name' string")
+        if not _TOOL_NAME.match(name):
+            raise PaskError(
+                f"tool '{name}': a name is 1-64 letters, digits, '_' or '-' (e.g. '{legal_name(name)[:64]}')"
+            )
+        if name in seen:
+            raise PaskError(f"tool '{name}' is defined twice: tool names must be unique")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise PaskError(f"tool '{name}': parameters must be a JSON Schema object, got {type(params).__name__}")
+        declared = params.get("type", "object")
+        if declared != "object" and not (isinstance(declared, list) and "object" in declared):
+            raise PaskError(
+                f"tool '{name}': parameters must be an object schema (type 'object'), got type {json.dumps(declared)}"
+            )
+        check_json_schema(params, f"tool '{name}'")
 
 
 def marker(tokenizer, text: str) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pask.tasks.sql_schema import Schema, Table, connect_readonly, quote_identifier
+from pask.structure.sql_schema import Schema, Table, connect_readonly, quote_identifier
 from pask.tasks.text_to_sql import Case
 
 SYSTEM_PROMPT = (

@@ -35,8 +35,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from pask.errors import PaskError
+from pask.structure.sql_schema import Schema, check_sqlite_file, read_schema
 from pask.tasks.spider_hardness import spider_hardness
-from pask.tasks.sql_schema import Schema, check_sqlite_file, read_schema
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "spider-dev"
 SPLITS = ("calibration", "dev", "test")

@@ -1,0 +1,1507 @@
+// Tiered decode attention on the CPU: one query token per sequence over its BF16 (H) and packed
+// INT4 (L) tiers, both streams merged in one FP32 online softmax. Plain C ABI (loaded with ctypes
+// by pask/kv/native_attention.py), one call per layer for the whole batch, parallel over
+// (sequence, kv head) with OpenMP. Layouts are the TieredCache's (pask/kv/storage.py):
+//
+//   H tier   k, v   [Hkv, hcap, D] bf16, hn live slots
+//   L tier   kq     [Hkv, lcap/64, D, 32] u8: 64-slot blocks, d-major; byte j of row d holds
+//                   slot j (low nibble) and slot j + 32 (high nibble); k' = (c - 8) * scale + zero
+//            ksz    [Hkv, D/32, lcap, 2] bf16 (scale, zero) per key group
+//            vq     [Hkv, D/32, lcap, 16] u8: a group's 32 value codes as adjacent pairs
+//            vs, vz [Hkv, D/32, lcap] bf16: v = c * scale + zero
+//            kbal   [Hkv, 2, D] f32 (mid, bal): k = k' * bal + mid
+//   L tier at 2 bits (bits == 2, KIVI-2): kq [Hkv, lcap, D/4] u8, token-major, byte j holds codes
+//            4j..4j+3 at bit offsets 0, 2, 4, 6; k' = (c - 2) * scale + zero; ksz as above;
+//            vq [Hkv, D/32, lcap, 8] u8 (a group's 32 codes, four per byte); vs, vz as above
+//
+// Scores of INT4 keys never dequantise a key: with qs = q * bal * scaling,
+//   q.k * scaling = sum_g [scale_g * (qs_g . c_g) + (zero_g - 8 scale_g) * sum(qs_g)] + q.mid * scaling,
+// so a 64-slot block costs one pass over its codes for all the query rows of its kv head (GQA).
+// Values: sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t per group.
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PASK_AVX2 1  // 8-lane kernels for CPUs without AVX-512 (e.g. AMD Zen 2/3)
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__)
+#define PASK_AMX 1  // both tiers on AMX tiles (Sapphire Rapids and later), if the OS grants tile state
+#include <cstdlib>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "native_common.h"
+
+namespace {
+
+using pask_native::bf2f;
+#if defined(__AVX512F__)
+using pask_native::hsum16;
+#endif
+#if defined(PASK_AMX)
+using pask_native::amx_granted;
+using pask_native::TileConfig;
+#endif
+
+constexpr int BT = 64;    // tokens per block (the INT4 key code block)
+constexpr int QG = 32;    // quantisation group along head_dim
+constexpr int MAXD = 128; // largest head_dim served
+constexpr int MAXR = 16;  // largest number of query rows per kv head
+
+// exp for x <= 88 (Cephes expf polynomial, ~1 ulp); vectorises (no libm call).
+inline float fexp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &bits, 4);
+  return p * s;
+}
+
+#if defined(__AVX512F__)
+inline __m512 fexp16(__m512 x) {  // fexp on 16 lanes
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#elif defined(PASK_AVX2)
+inline __m256 fexp8(__m256 x) {  // fexp on 8 lanes
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+inline float hadd8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+#endif
+
+struct Seq {
+  const uint16_t *kh, *vh;
+  int64_t hcap, hn;
+  const uint8_t *kq, *vq;
+  const uint16_t *ksz, *vs, *vz;
+  int64_t lcap, ln;
+  const float *kbal;
+};
+
+// Running state of one kv head's query rows: max, sum, outputs (H part and the L part's
+// even/odd code accumulators and per-group zero sums).
+struct State {
+  int grp, D, G;
+  alignas(64) float m[MAXR];
+  alignas(64) float l[MAXR];
+  alignas(64) float acc[MAXR][MAXD];
+  alignas(64) float even[MAXR][MAXD / 2];
+  alignas(64) float odd[MAXR][MAXD / 2];
+  alignas(64) float zs[MAXR][MAXD / QG];
+  alignas(64) float sc[MAXR][BT];  // scores of the current block, then its probabilities
+  float* trace = nullptr;  // if set: every block's scores, row r at trace + r * tstride (stream order)
+  bool amx = false;        // INT4 tier on AMX tiles (tile config loaded for this task)
+  int64_t tstride = 0, toff = 0;
+
+  void init(int g_, int d_) {
+    grp = g_;
+    D = d_;
+    G = d_ / QG;
+    toff = 0;
+    for (int r = 0; r < grp; ++r) {
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
+      std::fill(acc[r], acc[r] + D, 0.0f);
+      std::fill(even[r], even[r] + D / 2, 0.0f);
+      std::fill(odd[r], odd[r] + D / 2, 0.0f);
+      std::fill(zs[r], zs[r] + G, 0.0f);
+    }
+  }
+
+  // Online-softmax step over sc[r][0..nt): rescale the running state, turn scores into weights
+  // (weights of slots nt..BT-1 are set to 0).
+  void absorb(int nt) {
+    if (trace != nullptr) {
+      for (int r = 0; r < grp; ++r) std::copy(sc[r], sc[r] + nt, trace + r * tstride + toff);
+      toff += nt;
+    }
+    for (int r = 0; r < grp; ++r) {
+      float* s = sc[r];
+      const float mn = std::max(m[r], block_max(s, nt));
+      if (mn == -INFINITY) {  // every score -inf so far: nothing to weigh
+        std::fill(s, s + BT, 0.0f);
+        continue;
+      }
+      rescale(r, mn);
+      l[r] += exp_block(s, nt, mn);
+    }
+  }
+
+  // Row r's running state (sum, outputs) rescaled to a new maximum mn >= m[r] (no-op if equal).
+  void rescale(int r, float mn) {
+    if (!(mn > m[r])) return;
+    const float a = m[r] == -INFINITY ? 0.0f : fexp(m[r] - mn);
+    l[r] *= a;
+    for (int d = 0; d < D; ++d) acc[r][d] *= a;
+    for (int d = 0; d < D / 2; ++d) even[r][d] *= a;
+    for (int d = 0; d < D / 2; ++d) odd[r][d] *= a;
+    for (int g = 0; g < G; ++g) zs[r][g] *= a;
+    m[r] = mn;
+  }
+
+#if defined(__AVX512F__)
+  static __mmask16 tail(int nt, int c) {
+    const int k = nt - 16 * c;
+    return k >= 16 ? 0xFFFF : k <= 0 ? 0 : static_cast<__mmask16>((1u << k) - 1);
+  }
+  static float block_max(const float* s, int nt) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c * 16 < nt; ++c) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail(nt, c), s + 16 * c));
+    return _mm512_reduce_max_ps(mv);
+  }
+  static float exp_block(float* s, int nt, float mn) {
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 m = _mm512_set1_ps(mn);
+    for (int c = 0; c < BT / 16; ++c) {
+      const __m512 p = _mm512_maskz_mov_ps(tail(nt, c), fexp16(_mm512_sub_ps(_mm512_load_ps(s + 16 * c), m)));
+      _mm512_store_ps(s + 16 * c, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
+#elif defined(PASK_AVX2)
+  static float block_max(const float* s, int nt) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= nt; t += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(s + t));
+    float mb = hmax8(mv);
+    for (; t < nt; ++t) mb = s[t] > mb ? s[t] : mb;
+    return mb;
+  }
+  static float exp_block(float* s, int nt, float mn) {
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 m = _mm256_set1_ps(mn);
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int t = 0; t < BT; t += 8) {  // slots >= nt get weight 0
+      const __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(t))),
+                                        _mm256_set1_ps(static_cast<float>(nt)), _CMP_LT_OQ);
+      const __m256 p = _mm256_and_ps(live, fexp8(_mm256_sub_ps(_mm256_load_ps(s + t), m)));
+      _mm256_store_ps(s + t, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    return hadd8(sum);
+  }
+#else
+  static float block_max(const float* s, int nt) {
+    float mb = -INFINITY;
+    for (int t = 0; t < nt; ++t) mb = s[t] > mb ? s[t] : mb;
+    return mb;
+  }
+  static float exp_block(float* s, int nt, float mn) {
+    float sum = 0.0f;
+    for (int t = 0; t < BT; ++t) {
+      const float p = t < nt ? fexp(s[t] - mn) : 0.0f;
+      s[t] = p;
+      sum += p;
+    }
+    return sum;
+  }
+#endif
+
+  // The final softmax weights of the traced scores, averaged over the query rows: p[0..tstride).
+  void weights(float* p) const {
+    for (int64_t t = 0; t < tstride; ++t) p[t] = 0.0f;
+    for (int r = 0; r < grp; ++r) {
+      if (!(l[r] > 0.0f)) continue;
+      const float inv = 1.0f / (l[r] * static_cast<float>(grp));
+      const float* s = trace + r * tstride;
+      for (int64_t t = 0; t < tstride; ++t) p[t] += fexp(s[t] - m[r]) * inv;
+    }
+  }
+
+  void write(float* out) const {
+    for (int r = 0; r < grp; ++r) {
+      float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      float* o = out + static_cast<int64_t>(r) * D;
+      for (int g = 0; g < G; ++g) {
+        for (int j = 0; j < QG / 2; ++j) {
+          int d = g * QG + 2 * j;
+          o[d] = (acc[r][d] + even[r][g * (QG / 2) + j] + zs[r][g]) * inv;
+          o[d + 1] = (acc[r][d + 1] + odd[r][g * (QG / 2) + j] + zs[r][g]) * inv;
+        }
+      }
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+// ---- AVX-512 kernels (D = 64 or 128) --------------------------------------------------------
+
+inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// scores sc[r][0..nt) = scaling * q_r . k_t over BF16 keys K (token-major, D values each)
+template <int D>
+void h_scores(State& st, const uint16_t* qb, float scaling, const uint16_t* K, int nt) {
+  for (int r = 0; r < st.grp; ++r) {
+    const uint16_t* qr = qb + r * D;
+#if defined(__AVX512BF16__)
+    __m512bh qv[D / 32];
+    for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+#else
+    __m512 qv[D / 16];
+    for (int c = 0; c < D / 16; ++c) qv[c] = bf16x16(qr + 16 * c);
+#endif
+    for (int t0 = 0; t0 < nt; t0 += 16) {
+      __m512 part[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 acc = _mm512_setzero_ps();
+        if (t0 + i < nt) {
+          const uint16_t* k = K + static_cast<int64_t>(t0 + i) * D;
+#if defined(__AVX512BF16__)
+          for (int c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+#else
+          for (int c = 0; c < D / 16; ++c) acc = _mm512_fmadd_ps(qv[c], bf16x16(k + 16 * c), acc);
+#endif
+        }
+        part[i] = acc;
+      }
+      _mm512_store_ps(st.sc[r] + t0, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scaling)));
+    }
+  }
+}
+
+// acc[r] += sum_t p[r][t] v_t over BF16 values V (token-major)
+template <int D>
+void h_values(State& st, const uint16_t* V, int nt) {
+  constexpr int C = D / 16, RC = D == 64 ? 4 : 2;
+  for (int r0 = 0; r0 < st.grp; r0 += RC) {
+    const int rn = std::min(RC, st.grp - r0);
+    __m512 acc[RC][C];
+    for (int r = 0; r < rn; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_load_ps(st.acc[r0 + r] + 16 * c);
+    for (int t = 0; t < nt; ++t) {
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = bf16x16(V + static_cast<int64_t>(t) * D + 16 * c);
+      for (int r = 0; r < rn; ++r) {
+        const __m512 p = _mm512_set1_ps(st.sc[r0 + r][t]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < rn; ++r)
+      for (int c = 0; c < C; ++c) _mm512_store_ps(st.acc[r0 + r] + 16 * c, acc[r][c]);
+  }
+}
+
+// sc[r][t] += scale_t * (qs_r . c_t) + off_t * qsum_r for the 64 slots of block `blk`, group g
+template <int D>
+void l_scores_group(State& st, const float (*qs)[MAXD], const float* qsum_g, const uint8_t* KQ, int64_t blk,
+                    int g, const float* scl, const float* off) {
+  alignas(64) float cb[QG][BT];
+  const __m512i m15 = _mm512_set1_epi32(15);
+  for (int d = 0; d < QG; ++d) {
+    const uint8_t* row = KQ + (blk * D + g * QG + d) * (BT / 2);
+    for (int h = 0; h < 2; ++h) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + 16 * h)));
+      _mm512_store_ps(cb[d] + 16 * h, _mm512_cvtepi32_ps(_mm512_and_si512(b, m15)));
+      _mm512_store_ps(cb[d] + 32 + 16 * h, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+    }
+  }
+  constexpr int RC = 4;
+  for (int r0 = 0; r0 < st.grp; r0 += RC) {
+    const int rn = std::min(RC, st.grp - r0);
+    __m512 acc[RC][4];
+    for (int r = 0; r < RC; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int d = 0; d < QG; ++d) {
+      const __m512 c0 = _mm512_load_ps(cb[d]), c1 = _mm512_load_ps(cb[d] + 16), c2 = _mm512_load_ps(cb[d] + 32),
+                   c3 = _mm512_load_ps(cb[d] + 48);
+      for (int r = 0; r < rn; ++r) {
+        const __m512 q = _mm512_set1_ps(qs[r0 + r][g * QG + d]);
+        acc[r][0] = _mm512_fmadd_ps(q, c0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(q, c1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(q, c2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(q, c3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < rn; ++r) {
+      const __m512 qg = _mm512_set1_ps(qsum_g[r0 + r]);
+      float* s = st.sc[r0 + r];
+      for (int c = 0; c < 4; ++c) {
+        __m512 x = _mm512_fmadd_ps(_mm512_load_ps(off + 16 * c), qg, _mm512_load_ps(s + 16 * c));
+        _mm512_store_ps(s + 16 * c, _mm512_fmadd_ps(_mm512_load_ps(scl + 16 * c), acc[r][c], x));
+      }
+    }
+  }
+}
+
+// even/odd[r] += sum_t p[r][t] * vs_t * codes_t for group g of the block; zs[r][g] += sum_t p[r][t] vz_t
+void l_values_group(State& st, const uint8_t* vq, const float* vs, const float* vz, int nt, int g) {
+  alignas(64) float w[MAXR][BT];
+  for (int r = 0; r < st.grp; ++r) {  // weights past nt are 0 (absorb)
+    __m512 z = _mm512_setzero_ps();
+    for (int c = 0; c < BT / 16; ++c) {
+      const __m512 p = _mm512_load_ps(st.sc[r] + 16 * c);
+      _mm512_store_ps(w[r] + 16 * c, _mm512_mul_ps(p, _mm512_load_ps(vs + 16 * c)));
+      z = _mm512_fmadd_ps(p, _mm512_load_ps(vz + 16 * c), z);
+    }
+    st.zs[r][g] += _mm512_reduce_add_ps(z);
+  }
+  const __m512i m15 = _mm512_set1_epi32(15);
+  constexpr int RC = 8;
+  for (int r0 = 0; r0 < st.grp; r0 += RC) {
+    const int rn = std::min(RC, st.grp - r0);
+    __m512 ev[RC], od[RC];
+    for (int r = 0; r < rn; ++r) {
+      ev[r] = _mm512_load_ps(st.even[r0 + r] + g * (QG / 2));
+      od[r] = _mm512_load_ps(st.odd[r0 + r] + g * (QG / 2));
+    }
+    for (int t = 0; t < nt; ++t) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(vq + static_cast<int64_t>(t) * (QG / 2))));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+      for (int r = 0; r < rn; ++r) {
+        const __m512 p = _mm512_set1_ps(w[r0 + r][t]);
+        ev[r] = _mm512_fmadd_ps(p, lo, ev[r]);
+        od[r] = _mm512_fmadd_ps(p, hi, od[r]);
+      }
+    }
+    for (int r = 0; r < rn; ++r) {
+      _mm512_store_ps(st.even[r0 + r] + g * (QG / 2), ev[r]);
+      _mm512_store_ps(st.odd[r0 + r] + g * (QG / 2), od[r]);
+    }
+  }
+}
+
+#if defined(PASK_AMX)
+// ---- AMX tile helpers (the tier kernels h_stream_amx / l_stream_amx follow balanced_query) ------
+// Every tile is 64 bytes wide; B tiles hold bf16 in the VNNI pair layout (row = a pair along the
+// reduced axis, 16 columns of two bf16). FP32 operands are split into hi + lo bf16 rows (~2^-17).
+
+// Whether the AMX path runs: compiled in, tile state granted by the OS, and not turned off
+// (PASK_AMX=0 at load, or pask_attention_use_amx(0)).
+std::atomic<int> amx_wanted{[] {
+  const char* e = std::getenv("PASK_AMX");
+  return e != nullptr && e[0] == '0' ? 0 : 1;
+}()};
+
+bool amx_enabled() { return amx_wanted.load(std::memory_order_relaxed) != 0 && amx_granted(); }
+
+// Every tile 64 bytes wide; A (0, 1) and C (4..7) tiles of `rows` rows, B (2, 3) tiles of 16.
+void amx_config(int rows) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = static_cast<uint8_t>(i == 2 || i == 3 ? 16 : rows);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+void amx_begin(int grp) { amx_config(2 * grp); }  // A and C: hi parts over lo parts
+
+// word i -> bf16(i & 15): vpermw reads bits 0..4 of each index word, so a byte whose low nibble is
+// the code indexes it directly (bit 4, the next nibble's, is ignored by the table's repeat).
+alignas(64) constexpr uint16_t kCodeBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
+    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
+    0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+// byte permutation: output word 2i <- src byte a + i, word 2i + 1 <- src byte b + i (i < 16)
+struct PairIndex {
+  alignas(64) uint8_t x[64] = {};
+  constexpr PairIndex(int a, int b) {
+    for (int i = 0; i < 16; ++i) {
+      x[4 * i] = static_cast<uint8_t>(a + i);
+      x[4 * i + 2] = static_cast<uint8_t>(b + i);
+    }
+  }
+  __m512i load() const { return _mm512_load_si512(x); }
+};
+constexpr PairIndex kRows0(0, 32), kRows1(16, 48);  // key codes: slots 0..15 / 16..31 of rows d, d + 1
+constexpr PairIndex kSlots0(0, 16), kSlots1(32, 48);  // value codes: slot pairs (0, 1) / (2, 3)
+
+inline __m512i code_table() { return _mm512_load_si512(kCodeBf16); }
+
+inline __m512i codes_bf16(__m512i idx, __m512i src, __m512i table) {
+  return _mm512_permutexvar_epi16(_mm512_permutexvar_epi8(idx, src), table);
+}
+
+// x[0..32) fp32 -> hi, lo bf16 rows with x ~= hi + lo
+inline void split_bf16(const float* x, uint16_t* hi, uint16_t* lo) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+  const __m512i hi16 = (__m512i)h;
+  const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi16)), 16));
+  const __m512 hb =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi16, 1)), 16));
+  _mm512_storeu_si512(hi, hi16);
+  _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+}
+
+#endif
+#elif defined(PASK_AVX2)
+// ---- AVX2 + FMA kernels (D = 64 or 128): the AVX-512 kernels' structure on 8 lanes, with the
+// block's BF16 keys / values and INT4 codes widened to fp32 once per block (the 16 ymm registers
+// cannot hold a query row and its partial sums the way 32 zmm registers do) ----------------------
+
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline __m256 u8x8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes (as raw integer bits)
+  return _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+inline __m256 nibbles(__m256 b, int shift) {  // (b >> shift) & 15 as fp32
+  const __m256i x = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(b), shift), _mm256_set1_epi32(15));
+  return _mm256_cvtepi32_ps(x);
+}
+
+// Lane i of the result = sum of the 8 lanes of v[i].
+inline __m256 hsum8(const __m256* v) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// rows [nt, D] of bf16 -> fp32; rows nt.. up to the next multiple of 8 are zeroed. Prefetches the
+// next block's rows (the streams are read block by block with compute in between, which the
+// hardware prefetcher alone does not cover).
+template <int D>
+void widen(float (*dst)[MAXD], const uint16_t* src, int nt, bool more) {
+  for (int t = 0; t < nt; ++t) {
+    const uint16_t* row = src + static_cast<int64_t>(t) * D;
+    if (more)
+      for (int b = 0; b < D * 2; b += 64) prefetch(reinterpret_cast<const char*>(row + BT * D) + b);
+    for (int c = 0; c < D / 8; ++c) _mm256_store_ps(dst[t] + 8 * c, bf16x8(row + 8 * c));
+  }
+  for (int t = nt; t % 8 != 0; ++t) std::fill(dst[t], dst[t] + D, 0.0f);
+}
+
+// scores sc[r][0..nt) = qh_r . k_t (qh: the query rows already scaled) over widened keys kf
+template <int D>
+void h_scores(State& st, const float (*qh)[MAXD], const float (*kf)[MAXD], int nt) {
+  for (int r = 0; r < st.grp; ++r) {
+    __m256 qv[D / 8];
+    for (int c = 0; c < D / 8; ++c) qv[c] = _mm256_load_ps(qh[r] + 8 * c);
+    for (int t0 = 0; t0 < nt; t0 += 8) {  // eight independent FMA chains (rows past nt are zero)
+      __m256 part[8];
+      for (int i = 0; i < 8; ++i) part[i] = _mm256_setzero_ps();
+      for (int c = 0; c < D / 8; ++c)
+        for (int i = 0; i < 8; ++i) part[i] = _mm256_fmadd_ps(qv[c], _mm256_load_ps(kf[t0 + i] + 8 * c), part[i]);
+      _mm256_store_ps(st.sc[r] + t0, hsum8(part));
+    }
+  }
+}
+
+// Runs f.template operator()<RN>(r0) for row blocks of RC rows (the last one shorter): row counts
+// are compile-time so the accumulators stay in registers.
+template <int RC, class F>
+inline void row_blocks(int grp, F&& f) {
+  int r0 = 0;
+  for (; r0 + RC <= grp; r0 += RC) f.template operator()<RC>(r0);
+  switch (grp - r0) {
+    case 1: f.template operator()<1>(r0); break;
+    case 2: if constexpr (RC > 2) f.template operator()<2>(r0); break;
+    case 3: if constexpr (RC > 3) f.template operator()<3>(r0); break;
+    default: break;
+  }
+}
+
+// acc[r] += sum_t p[r][t] v_t over widened values vf
+template <int D>
+void h_values(State& st, const float (*vf)[MAXD], int nt) {
+  for (int c0 = 0; c0 < D / 8; c0 += 2) {  // 16 dims per pass, up to 4 rows: 8 accumulators
+    row_blocks<4>(st.grp, [&]<int RN>(int r0) {
+      __m256 acc[RN][2];
+      for (int r = 0; r < RN; ++r)
+        for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_load_ps(st.acc[r0 + r] + 8 * (c0 + c));
+      for (int t = 0; t < nt; ++t) {
+        const __m256 v0 = _mm256_load_ps(vf[t] + 8 * c0), v1 = _mm256_load_ps(vf[t] + 8 * c0 + 8);
+        for (int r = 0; r < RN; ++r) {
+          const __m256 p = _mm256_broadcast_ss(st.sc[r0 + r] + t);
+          acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < RN; ++r)
+        for (int c = 0; c < 2; ++c) _mm256_store_ps(st.acc[r0 + r] + 8 * (c0 + c), acc[r][c]);
+    });
+  }
+}
+
+// sc[r][t] += scale_t * (qs_r . c_t) + off_t * qsum_r for the 64 slots of block `blk`, group g
+template <int D>
+void l_scores_group(State& st, const float (*qs)[MAXD], const float* qsum_g, const uint8_t* KQ, int64_t blk,
+                    int g, const float* scl, const float* off) {
+  alignas(64) float cb[QG][BT];
+  for (int d = 0; d < QG; ++d) {
+    const uint8_t* row = KQ + (blk * D + g * QG + d) * (BT / 2);
+    if (d % 2 == 0) prefetch(row + D * (BT / 2));  // the next block's rows (two per cache line)
+    for (int h = 0; h < 4; ++h) {
+      const __m256 b = u8x8(row + 8 * h);
+      _mm256_store_ps(cb[d] + 8 * h, nibbles(b, 0));
+      _mm256_store_ps(cb[d] + 32 + 8 * h, nibbles(b, 4));
+    }
+  }
+  for (int s0 = 0; s0 < BT; s0 += 32) {  // 32 slots per pass, up to 2 rows: 8 accumulators
+    row_blocks<2>(st.grp, [&]<int RN>(int r0) {
+      __m256 acc[RN][4];
+      for (int r = 0; r < RN; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+      for (int d = 0; d < QG; ++d) {
+        const float* cd = cb[d] + s0;
+        const __m256 c0 = _mm256_load_ps(cd), c1 = _mm256_load_ps(cd + 8), c2 = _mm256_load_ps(cd + 16),
+                     c3 = _mm256_load_ps(cd + 24);
+        for (int r = 0; r < RN; ++r) {
+          const __m256 q = _mm256_broadcast_ss(qs[r0 + r] + g * QG + d);
+          acc[r][0] = _mm256_fmadd_ps(q, c0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(q, c1, acc[r][1]);
+          acc[r][2] = _mm256_fmadd_ps(q, c2, acc[r][2]);
+          acc[r][3] = _mm256_fmadd_ps(q, c3, acc[r][3]);
+        }
+      }
+      for (int r = 0; r < RN; ++r) {
+        const __m256 qg = _mm256_set1_ps(qsum_g[r0 + r]);
+        float* s = st.sc[r0 + r] + s0;
+        for (int c = 0; c < 4; ++c) {
+          const __m256 x = _mm256_fmadd_ps(_mm256_load_ps(off + s0 + 8 * c), qg, _mm256_load_ps(s + 8 * c));
+          _mm256_store_ps(s + 8 * c, _mm256_fmadd_ps(_mm256_load_ps(scl + s0 + 8 * c), acc[r][c], x));
+        }
+      }
+    });
+  }
+}
+
+// even/odd[r] += sum_t p[r][t] * vs_t * codes_t for group g of the block; zs[r][g] += sum_t p[r][t] vz_t
+void l_values_group(State& st, const uint8_t* vq, const float* vs, const float* vz, int nt, int g) {
+  alignas(64) float w[MAXR][BT];
+  for (int r = 0; r < st.grp; ++r) {  // weights past nt are 0 (absorb)
+    __m256 z = _mm256_setzero_ps();
+    for (int c = 0; c < BT / 8; ++c) {
+      const __m256 p = _mm256_load_ps(st.sc[r] + 8 * c);
+      _mm256_store_ps(w[r] + 8 * c, _mm256_mul_ps(p, _mm256_load_ps(vs + 8 * c)));
+      z = _mm256_fmadd_ps(p, _mm256_load_ps(vz + 8 * c), z);
+    }
+    st.zs[r][g] += hadd8(z);
+  }
+  alignas(64) float cf[BT][QG];  // per slot: the 16 even-dim codes, then the 16 odd-dim codes
+  for (int t = 0; t < nt; ++t) {
+    const uint8_t* b = vq + static_cast<int64_t>(t) * (QG / 2);
+    if (t % 4 == 0) prefetch(b + BT * (QG / 2));  // the next block's codes (four slots per line)
+    const __m256 b0 = u8x8(b), b1 = u8x8(b + 8);
+    _mm256_store_ps(cf[t], nibbles(b0, 0));
+    _mm256_store_ps(cf[t] + 8, nibbles(b1, 0));
+    _mm256_store_ps(cf[t] + 16, nibbles(b0, 4));
+    _mm256_store_ps(cf[t] + 24, nibbles(b1, 4));
+  }
+  row_blocks<2>(st.grp, [&]<int RN>(int r0) {  // up to 2 rows x (16 even + 16 odd dims): 8 accumulators
+    __m256 acc[RN][4];
+    for (int r = 0; r < RN; ++r) {
+      const float* e = st.even[r0 + r] + g * (QG / 2);
+      const float* o = st.odd[r0 + r] + g * (QG / 2);
+      acc[r][0] = _mm256_load_ps(e);
+      acc[r][1] = _mm256_load_ps(e + 8);
+      acc[r][2] = _mm256_load_ps(o);
+      acc[r][3] = _mm256_load_ps(o + 8);
+    }
+    for (int t = 0; t < nt; ++t) {
+      const __m256 c0 = _mm256_load_ps(cf[t]), c1 = _mm256_load_ps(cf[t] + 8), c2 = _mm256_load_ps(cf[t] + 16),
+                   c3 = _mm256_load_ps(cf[t] + 24);
+      for (int r = 0; r < RN; ++r) {
+        const __m256 p = _mm256_broadcast_ss(w[r0 + r] + t);
+        acc[r][0] = _mm256_fmadd_ps(p, c0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(p, c1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(p, c2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(p, c3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < RN; ++r) {
+      float* e = st.even[r0 + r] + g * (QG / 2);
+      float* o = st.odd[r0 + r] + g * (QG / 2);
+      _mm256_store_ps(e, acc[r][0]);
+      _mm256_store_ps(e + 8, acc[r][1]);
+      _mm256_store_ps(o, acc[r][2]);
+      _mm256_store_ps(o + 8, acc[r][3]);
+    }
+  });
+}
+#endif
+
+void h_stream(State& st, [[maybe_unused]] const uint16_t* qb, const float (*qh)[MAXD], [[maybe_unused]] float scaling,
+              const Seq& s, int h) {
+  const int D = st.D, grp = st.grp;
+  const uint16_t* K = s.kh + static_cast<int64_t>(h) * s.hcap * D;
+  const uint16_t* V = s.vh + static_cast<int64_t>(h) * s.hcap * D;
+  alignas(64) float kf[BT][MAXD];
+  alignas(64) float vf[MAXD];
+  for (int64_t t0 = 0; t0 < s.hn; t0 += BT) {
+    const int nt = static_cast<int>(std::min<int64_t>(BT, s.hn - t0));
+    const uint16_t* Kb = K + t0 * D;
+    const uint16_t* Vb = V + t0 * D;
+#if defined(__AVX512F__)
+    if (D == 64 || D == 128) {
+      if (D == 64) h_scores<64>(st, qb, scaling, Kb, nt); else h_scores<128>(st, qb, scaling, Kb, nt);
+      st.absorb(nt);
+      if (D == 64) h_values<64>(st, Vb, nt); else h_values<128>(st, Vb, nt);
+      continue;
+    }
+#elif defined(PASK_AVX2)
+    if (D == 64 || D == 128) {
+      alignas(64) float vw[BT][MAXD];
+      const bool more = t0 + BT < s.hn;
+      if (D == 64) {
+        widen<64>(kf, Kb, nt, more);
+        widen<64>(vw, Vb, nt, more);
+        h_scores<64>(st, qh, kf, nt);
+      } else {
+        widen<128>(kf, Kb, nt, more);
+        widen<128>(vw, Vb, nt, more);
+        h_scores<128>(st, qh, kf, nt);
+      }
+      st.absorb(nt);
+      if (D == 64) h_values<64>(st, vw, nt); else h_values<128>(st, vw, nt);
+      continue;
+    }
+#endif
+    for (int t = 0; t < nt; ++t)
+      for (int d = 0; d < D; ++d) kf[t][d] = bf2f(Kb[t * D + d]);
+    for (int r = 0; r < grp; ++r) {
+      for (int t = 0; t < nt; ++t) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qh[r][d] * kf[t][d];
+        st.sc[r][t] = dot;
+      }
+    }
+    st.absorb(nt);
+    for (int t = 0; t < nt; ++t) {
+      for (int d = 0; d < D; ++d) vf[d] = bf2f(Vb[t * D + d]);
+      for (int r = 0; r < grp; ++r) {
+        const float p = st.sc[r][t];
+        float* a = st.acc[r];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] += p * vf[d];
+      }
+    }
+  }
+}
+
+// The query rows of one kv head against balanced L-tier keys (k = k' * bal + mid): qs = q * bal *
+// scaling, qsum[g] = sum of qs over group g, cst = scaling * q . mid (shared by the INT4 and INT2 streams).
+void balanced_query(const State& st, const float (*qf)[MAXD], float scaling, const float* kbal, float (*qs)[MAXD],
+                    float (*qsum)[MAXR], float* cst) {
+  const int D = st.D, G = st.G;
+  const float* mid = kbal;
+  const float* bal = kbal + D;
+  for (int r = 0; r < st.grp; ++r) {
+    float c = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      qs[r][d] = qf[r][d] * bal[d] * scaling;
+      c += qf[r][d] * mid[d];
+    }
+    cst[r] = c * scaling;
+    for (int g = 0; g < G; ++g) {
+      float t = 0.0f;
+      for (int d = g * QG; d < (g + 1) * QG; ++d) t += qs[r][d];
+      qsum[g][r] = t;
+    }
+  }
+}
+
+// One kv head's view of the L tier (bits 4: blocked key codes; 2: token-major, four codes a byte)
+// and its balanced query rows (balanced_query).
+struct LHead {
+  const uint8_t *KQ, *VQ;
+  const uint16_t *KSZ, *VS, *VZ;
+  alignas(64) float qs[MAXR][MAXD];
+  alignas(64) float qsum[MAXD / QG][MAXR];
+  alignas(64) float cst[MAXR];
+
+  LHead(const State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int bits) {
+    const int64_t D = st.D, G = st.G, cap = s.lcap, hh = h;
+    KQ = s.kq + hh * cap * D * bits / 8;
+    KSZ = s.ksz + hh * G * cap * 2;
+    VQ = s.vq + hh * G * cap * (QG * bits / 8);
+    VS = s.vs + hh * G * cap;
+    VZ = s.vz + hh * G * cap;
+    balanced_query(st, qf, scaling, s.kbal + hh * 2 * D, qs, qsum, cst);
+  }
+};
+
+void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap;
+  const LHead L(st, qf, scaling, s, h, 4);
+  const uint8_t *KQ = L.KQ, *VQ = L.VQ;
+  const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
+  const auto& qs = L.qs;
+  const auto& qsum = L.qsum;
+  const auto& cst = L.cst;
+  alignas(64) float a[MAXR][BT];
+  alignas(64) float codes[BT];
+  alignas(64) float scl[BT], off[BT], vsf[BT], vzf[BT];
+  alignas(64) float lo[QG / 2], hi[QG / 2];
+  for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
+    const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
+    const int64_t blk = t0 / BT;
+    for (int r = 0; r < grp; ++r)
+      for (int t = 0; t < BT; ++t) st.sc[r][t] = cst[r];
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
+      for (int t = 0; t < BT; ++t) {  // whole block: slots past nt hold finite stale / zero data
+        scl[t] = bf2f(sz[2 * t]);
+        off[t] = bf2f(sz[2 * t + 1]) - 8.0f * scl[t];
+      }
+#if defined(__AVX512F__) || defined(PASK_AVX2)
+      if (D == 64 || D == 128) {
+        if (D == 64) l_scores_group<64>(st, qs, qsum[g], KQ, blk, g, scl, off);
+        else l_scores_group<128>(st, qs, qsum[g], KQ, blk, g, scl, off);
+        continue;
+      }
+#endif
+      for (int r = 0; r < grp; ++r) std::fill(a[r], a[r] + BT, 0.0f);
+      for (int d = g * QG; d < (g + 1) * QG; ++d) {
+        const uint8_t* row = KQ + (blk * D + d) * (BT / 2);
+        for (int j = 0; j < BT / 2; ++j) {
+          codes[j] = static_cast<float>(row[j] & 15);
+          codes[j + BT / 2] = static_cast<float>(row[j] >> 4);
+        }
+        for (int r = 0; r < grp; ++r) {
+          const float q = qs[r][d];
+          float* ar = a[r];
+#pragma omp simd
+          for (int t = 0; t < BT; ++t) ar[t] += q * codes[t];
+        }
+      }
+      for (int r = 0; r < grp; ++r) {
+        const float qg = qsum[g][r];
+#pragma omp simd
+        for (int t = 0; t < BT; ++t) st.sc[r][t] += scl[t] * a[r][t] + off[t] * qg;
+      }
+    }
+    st.absorb(nt);
+    for (int g = 0; g < G; ++g) {
+      const int64_t base = static_cast<int64_t>(g) * cap + t0;
+      for (int t = 0; t < BT; ++t) {  // whole block (finite stale / zero data past nt, weight 0)
+        vsf[t] = bf2f(VS[base + t]);
+        vzf[t] = bf2f(VZ[base + t]);
+      }
+#if defined(__AVX512F__) || defined(PASK_AVX2)
+      l_values_group(st, VQ + base * (QG / 2), vsf, vzf, nt, g);
+      continue;
+#endif
+      for (int t = 0; t < nt; ++t) {
+        const uint8_t* b = VQ + (base + t) * (QG / 2);
+        for (int j = 0; j < QG / 2; ++j) {
+          lo[j] = static_cast<float>(b[j] & 15);
+          hi[j] = static_cast<float>(b[j] >> 4);
+        }
+        for (int r = 0; r < grp; ++r) {
+          const float p = st.sc[r][t];
+          const float w = p * vsf[t];
+          float* e = st.even[r] + g * (QG / 2);
+          float* o = st.odd[r] + g * (QG / 2);
+#pragma omp simd
+          for (int j = 0; j < QG / 2; ++j) {
+            e[j] += w * lo[j];
+            o[j] += w * hi[j];
+          }
+          st.zs[r][g] += p * vzf[t];
+        }
+      }
+    }
+  }
+}
+
+#if defined(PASK_AMX)
+// One online-softmax step for a whole stream of n slots: S holds grp rows of lp (>= n, a multiple
+// of 16) scores, 64-byte aligned; the running state is rescaled at most once; S becomes the
+// weights (0 from n on); the scores go to the trace first where one is kept.
+void absorb_rows(State& st, float* S, int64_t lp, int64_t n) {
+  if (st.trace != nullptr) {
+    for (int r = 0; r < st.grp; ++r) std::copy(S + r * lp, S + r * lp + n, st.trace + r * st.tstride + st.toff);
+    st.toff += n;
+  }
+  for (int r = 0; r < st.grp; ++r) {
+    float* sr = S + r * lp;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < n; t0 += 16)
+      mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, State::tail(static_cast<int>(std::min<int64_t>(16, n - t0)), 0), sr + t0));
+    const float mn = std::max(st.m[r], _mm512_reduce_max_ps(mv));
+    if (mn == -INFINITY) {
+      std::fill(sr, sr + lp, 0.0f);
+      continue;
+    }
+    st.rescale(r, mn);
+    const __m512 m = _mm512_set1_ps(mn);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < lp; t0 += 16) {  // weights past n are 0
+      const __m512 x = _mm512_maskz_mov_ps(State::tail(static_cast<int>(std::min<int64_t>(16, n - t0)), 0),
+                                           fexp16(_mm512_sub_ps(_mm512_load_ps(sr + t0), m)));
+      _mm512_store_ps(sr + t0, x);
+      sum = _mm512_add_ps(sum, x);
+    }
+    st.l[r] += _mm512_reduce_add_ps(sum);
+  }
+}
+
+// A per-task scratch of grp rows x lp floats, 64-byte aligned (kept across calls by the thread).
+float* scratch_rows(int grp, int64_t lp, int which) {
+  thread_local std::vector<float> buf[2];
+  buf[which].resize(static_cast<size_t>(grp * lp) + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf[which].data()) + 63) & ~uintptr_t{63});
+}
+
+// The BF16 tier on AMX tiles, two passes like l_stream_amx: scores C = K (16 slots x 32 dims, read
+// in place) . q^T (bf16 pairs, exact), transposed into grp rows; one softmax step; then the values
+// with A = the weights as hi / lo bf16 rows (2 grp <= MAXR) and B = two slots' values interleaved,
+// accumulated in tiles across the tier. Tiles: 0 / 1 A, 2 / 3 B (or the query's pairs), 4..7 C.
+void h_stream_amx(State& st, const uint16_t* qb, float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp;
+  const uint16_t* K = s.kh + static_cast<int64_t>(h) * s.hcap * D;
+  const uint16_t* V = s.vh + static_cast<int64_t>(h) * s.hcap * D;
+  const int64_t n = s.hn, nb = (n + 63) / 64, lp = nb * 64;
+  // q^T as pairs: qt[c][p][r] = (q[r][32c + 2p], q[r][32c + 2p + 1]) (32-bit words), r < 16
+  alignas(64) uint32_t qt[MAXD / 32][16][16] = {};
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qb);
+  for (int r = 0; r < grp; ++r)
+    for (int c = 0; c < D / 32; ++c)
+      for (int p = 0; p < 16; ++p) qt[c][p][r] = q32[r * (D / 2) + c * 16 + p];
+  float* S = scratch_rows(grp, lp, 1);
+  // the last, partial block: its live rows copied into zeroed buffers (no reads past the tier)
+  const int64_t full = (n / 64) * 64;
+  alignas(64) uint16_t kpad[64 * MAXD], vpad[64 * MAXD];
+  if (full < n) {
+    std::fill(kpad, kpad + 64 * D, uint16_t{0});
+    std::fill(vpad, vpad + 64 * D, uint16_t{0});
+    std::copy(K + full * D, K + n * D, kpad);
+    std::copy(V + full * D, V + n * D, vpad);
+  }
+  auto vrow = [&](int64_t t) { return t < full ? V + t * D : vpad + (t - full) * D; };
+  alignas(64) float cs[64][16];  // C: 64 slots x 16 query rows (grp used)
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16));
+  const __m512 scl = _mm512_set1_ps(scaling);
+  amx_config(16);  // scores: A = 16 slots, C = 16 slots x 16 query rows
+  for (int64_t blk = 0; blk < nb; ++blk) {  // 64 slots at a time (stale / zero slots past n: finite)
+    const uint16_t* kb = blk * 64 < full ? K + blk * 64 * D : kpad;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int c = 0; c < D / 32; ++c) {
+      _tile_loadd(2, qt[c], 64);
+      _tile_loadd(0, kb + 32 * c, D * 2);
+      _tile_loadd(1, kb + 16 * D + 32 * c, D * 2);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_loadd(0, kb + 32 * D + 32 * c, D * 2);
+      _tile_loadd(1, kb + 48 * D + 32 * c, D * 2);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(7, 1, 2);
+    }
+    _tile_stored(4, cs[0], 64);
+    _tile_stored(5, cs[16], 64);
+    _tile_stored(6, cs[32], 64);
+    _tile_stored(7, cs[48], 64);
+    for (int r = 0; r < grp; ++r)  // transpose: row r of 64 slots
+      for (int c = 0; c < 4; ++c) {
+        const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(256 * c + r)), &cs[0][0], 4);
+        _mm512_store_ps(S + r * lp + blk * 64 + 16 * c, _mm512_mul_ps(x, scl));
+      }
+  }
+  absorb_rows(st, S, lp, n);
+  amx_config(2 * grp);  // values: A and C = hi rows over lo rows
+  // values: acc[r][j] += sum_t p[r][t] v[t][j], 16 dims per C tile, 32 slots per A / B tile
+  alignas(64) uint16_t a[MAXR][32];
+  alignas(64) uint16_t b[16][32];
+  alignas(64) float co[MAXR][16];
+  alignas(64) uint16_t il[32];
+  for (int i = 0; i < 16; ++i) il[2 * i] = static_cast<uint16_t>(i), il[2 * i + 1] = static_cast<uint16_t>(32 + i);
+  const __m512i inter = _mm512_load_si512(il);  // words: slot t dim i, slot t + 1 dim i, ...
+  for (int j0 = 0; j0 < D; j0 += 64) {  // up to four 16-dim C tiles at a time
+    const int nj = std::min(4, (D - j0) / 16);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t t0 = 0; t0 < lp; t0 += 32) {
+      for (int r = 0; r < grp; ++r) split_bf16(S + r * lp + t0, a[r], a[grp + r]);
+      _tile_loadd(0, a, 64);
+      for (int jt = 0; jt < nj; ++jt) {
+        const int j = j0 + 16 * jt;
+        for (int p = 0; p < 16; ++p) {  // slots t0 + 2p, t0 + 2p + 1 (past n: zeros, weight 0)
+          const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(vrow(t0 + 2 * p) + j)));
+          const __m512i hi = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(vrow(t0 + 2 * p + 1) + j)));
+          _mm512_store_si512(b[p], _mm512_permutex2var_epi16(lo, inter, hi));
+        }
+        _tile_loadd(2, b, 64);
+        switch (jt) {
+          case 0: _tile_dpbf16ps(4, 0, 2); break;
+          case 1: _tile_dpbf16ps(5, 0, 2); break;
+          case 2: _tile_dpbf16ps(6, 0, 2); break;
+          default: _tile_dpbf16ps(7, 0, 2); break;
+        }
+      }
+    }
+    for (int jt = 0; jt < nj; ++jt) {
+      switch (jt) {
+        case 0: _tile_stored(4, co, 64); break;
+        case 1: _tile_stored(5, co, 64); break;
+        case 2: _tile_stored(6, co, 64); break;
+        default: _tile_stored(7, co, 64); break;
+      }
+      for (int r = 0; r < grp; ++r) {
+        float* o = st.acc[r] + j0 + 16 * jt;
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_add_ps(_mm512_load_ps(co[r]), _mm512_load_ps(co[grp + r]))));
+      }
+    }
+  }
+}
+#endif
+
+#if defined(PASK_AMX)
+// The INT4 tier on AMX tiles, in two passes: (1) every slot's score, group by group (the query's A
+// tile loaded once per group), into a per-task buffer; (2) one softmax step for the whole tier
+// (the running state rescaled at most once), then the values group by group with the accumulators
+// kept in tiles across blocks and stored once. Needs 2 grp <= MAXR (hi / lo rows stacked).
+void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap, nb = (s.ln + BT - 1) / BT, lp = nb * BT;
+  const LHead L(st, qf, scaling, s, h, 4);
+  const uint8_t *KQ = L.KQ, *VQ = L.VQ;
+  const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
+  const auto& qs = L.qs;
+  const auto& qsum = L.qsum;
+  const auto& cst = L.cst;
+  float* S = scratch_rows(grp, lp, 0);
+  const __m512i table = code_table(), lo16 = kRows0.load(), hi16 = kRows1.load();
+  const __m512i p0 = kSlots0.load(), p1 = kSlots1.load();
+  alignas(64) uint16_t a[2][MAXR][32];      // A: [K chunk][hi rows, lo rows][32]
+  alignas(64) uint16_t b[4][QG / 2][32];    // B: four 16-row tiles
+  alignas(64) float cs[MAXR][BT];           // C: scores of one block and group
+  alignas(64) float scl[BT], off[BT], vsf[BT], vzf[BT];
+  // (1) scores: S[r][t] = cst_r + sum_g scale_gt (qs_rg . c_gt) + off_gt qsum_gr
+  for (int g = 0; g < G; ++g) {
+    for (int r = 0; r < grp; ++r) split_bf16(qs[r] + g * QG, a[0][r], a[0][grp + r]);
+    _tile_loadd(0, a[0], 64);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const uint8_t* rows = KQ + (blk * D + g * QG) * (BT / 2);  // rows d, d + 1: 64 adjacent bytes
+      for (int p = 0; p < QG / 2; ++p) {
+        const __m512i x = _mm512_loadu_si512(rows + p * BT);
+        const __m512i hx = _mm512_srli_epi16(x, 4);  // high nibbles (slots 32..63) into the low ones
+        _mm512_store_si512(b[0][p], codes_bf16(lo16, x, table));
+        _mm512_store_si512(b[1][p], codes_bf16(hi16, x, table));
+        _mm512_store_si512(b[2][p], codes_bf16(lo16, hx, table));
+        _mm512_store_si512(b[3][p], codes_bf16(hi16, hx, table));
+      }
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      _tile_loadd(2, b[0], 64);
+      _tile_loadd(3, b[1], 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_loadd(2, b[2], 64);
+      _tile_loadd(3, b[3], 64);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(7, 0, 3);
+      _tile_stored(4, &cs[0][0], BT * 4);
+      _tile_stored(5, &cs[0][16], BT * 4);
+      _tile_stored(6, &cs[0][32], BT * 4);
+      _tile_stored(7, &cs[0][48], BT * 4);
+      // (scale, zero) bf16 pairs -> scale, zero - 8 scale; whole block: slots past ln hold finite data
+      const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + blk * BT) * 2;
+      for (int c = 0; c < 4; ++c) {
+        const __m512i w = _mm512_loadu_si512(sz + 32 * c);
+        const __m512 sc16 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        const __m512 z16 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        _mm512_store_ps(scl + 16 * c, sc16);
+        _mm512_store_ps(off + 16 * c, _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sc16, z16));
+      }
+      for (int r = 0; r < grp; ++r) {
+        const __m512 qg = _mm512_set1_ps(qsum[g][r]);
+        float* sr = S + r * lp + blk * BT;
+        for (int c = 0; c < 4; ++c) {
+          const __m512 dot = _mm512_add_ps(_mm512_load_ps(cs[r] + 16 * c), _mm512_load_ps(cs[grp + r] + 16 * c));
+          const __m512 prev = g == 0 ? _mm512_set1_ps(cst[r]) : _mm512_load_ps(sr + 16 * c);
+          const __m512 x = _mm512_fmadd_ps(_mm512_load_ps(off + 16 * c), qg, prev);
+          _mm512_store_ps(sr + 16 * c, _mm512_fmadd_ps(_mm512_load_ps(scl + 16 * c), dot, x));
+        }
+      }
+    }
+  }
+  // (2) one softmax step for the tier: S becomes the weights (0 past ln)
+  absorb_rows(st, S, lp, s.ln);
+  // (3) values: even / odd[r] += sum_t w_t codes_t with w = p vs (A, hi / lo), zs[r] += sum_t p vz
+  for (int g = 0; g < G; ++g) {
+    __m512 zv[MAXR / 2];
+    for (int r = 0; r < grp; ++r) zv[r] = _mm512_setzero_ps();
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int64_t base = static_cast<int64_t>(g) * cap + blk * BT;
+      for (int c = 0; c < BT / 16; ++c) {
+        _mm512_store_ps(vsf + 16 * c, bf16x16(VS + base + 16 * c));
+        _mm512_store_ps(vzf + 16 * c, bf16x16(VZ + base + 16 * c));
+      }
+      for (int r = 0; r < grp; ++r) {
+        alignas(64) float w[BT];
+        const float* pr = S + r * lp + blk * BT;
+        for (int c = 0; c < BT / 16; ++c) {
+          const __m512 p = _mm512_load_ps(pr + 16 * c);
+          _mm512_store_ps(w + 16 * c, _mm512_mul_ps(p, _mm512_load_ps(vsf + 16 * c)));
+          zv[r] = _mm512_fmadd_ps(p, _mm512_load_ps(vzf + 16 * c), zv[r]);
+        }
+        split_bf16(w, a[0][r], a[0][grp + r]);
+        split_bf16(w + 32, a[1][r], a[1][grp + r]);
+      }
+      const uint8_t* vq = VQ + base * (QG / 2);
+      for (int k = 0; k < 2; ++k)
+        for (int t4 = 0; t4 < 8; ++t4) {  // slots 32k + 4 t4 .. + 3: 64 adjacent bytes
+          const __m512i x = _mm512_loadu_si512(vq + (32 * k + 4 * t4) * (QG / 2));
+          const __m512i hx = _mm512_srli_epi16(x, 4);
+          _mm512_store_si512(b[2 * k][2 * t4], codes_bf16(p0, x, table));      // even dims
+          _mm512_store_si512(b[2 * k][2 * t4 + 1], codes_bf16(p1, x, table));
+          _mm512_store_si512(b[2 * k + 1][2 * t4], codes_bf16(p0, hx, table));  // odd dims
+          _mm512_store_si512(b[2 * k + 1][2 * t4 + 1], codes_bf16(p1, hx, table));
+        }
+      _tile_loadd(0, a[0], 64);
+      _tile_loadd(2, b[0], 64);
+      _tile_loadd(3, b[1], 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_loadd(0, a[1], 64);
+      _tile_loadd(2, b[2], 64);
+      _tile_loadd(3, b[3], 64);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(7, 0, 3);
+    }
+    alignas(64) float ce[2][MAXR][16], co[2][MAXR][16];
+    _tile_stored(4, ce[0], 64);
+    _tile_stored(5, co[0], 64);
+    _tile_stored(6, ce[1], 64);
+    _tile_stored(7, co[1], 64);
+    for (int r = 0; r < grp; ++r) {
+      st.zs[r][g] += _mm512_reduce_add_ps(zv[r]);
+      float* e = st.even[r] + g * (QG / 2);
+      float* o = st.odd[r] + g * (QG / 2);
+      const __m512 se = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(ce[0][r]), _mm512_load_ps(ce[0][grp + r])),
+                                      _mm512_add_ps(_mm512_load_ps(ce[1][r]), _mm512_load_ps(ce[1][grp + r])));
+      const __m512 so = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(co[0][r]), _mm512_load_ps(co[0][grp + r])),
+                                      _mm512_add_ps(_mm512_load_ps(co[1][r]), _mm512_load_ps(co[1][grp + r])));
+      _mm512_store_ps(e, _mm512_add_ps(_mm512_load_ps(e), se));
+      _mm512_store_ps(o, _mm512_add_ps(_mm512_load_ps(o), so));
+    }
+  }
+}
+#endif
+
+// The INT2 tier (bits == 2): token-major codes, scored one token at a time (no blocked layout).
+void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int D = st.D, grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap;
+  const LHead L(st, qf, scaling, s, h, 2);
+  const uint8_t *KQ = L.KQ, *VQ = L.VQ;
+  const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
+  const auto& qs = L.qs;
+  const auto& qsum = L.qsum;
+  const auto& cst = L.cst;
+  alignas(64) float kc[MAXD];
+  alignas(64) float vc[QG];
+  for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
+    const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
+    for (int t = 0; t < nt; ++t) {
+      const int64_t slot = t0 + t;
+      const uint8_t* row = KQ + slot * (D / 4);
+      for (int j = 0; j < D / 4; ++j) {
+        const uint8_t b = row[j];
+        kc[4 * j] = static_cast<float>(b & 3);
+        kc[4 * j + 1] = static_cast<float>((b >> 2) & 3);
+        kc[4 * j + 2] = static_cast<float>((b >> 4) & 3);
+        kc[4 * j + 3] = static_cast<float>(b >> 6);
+      }
+      for (int r = 0; r < grp; ++r) st.sc[r][t] = cst[r];
+      for (int g = 0; g < G; ++g) {
+        const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + slot) * 2;
+        const float scl = bf2f(sz[0]);
+        const float off = bf2f(sz[1]) - 2.0f * scl;
+        for (int r = 0; r < grp; ++r) {
+          const float* q = qs[r] + g * QG;
+          const float* c = kc + g * QG;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int d = 0; d < QG; ++d) dot += q[d] * c[d];
+          st.sc[r][t] += scl * dot + off * qsum[g][r];
+        }
+      }
+    }
+    st.absorb(nt);
+    for (int g = 0; g < G; ++g) {
+      const int64_t base = static_cast<int64_t>(g) * cap + t0;
+      for (int t = 0; t < nt; ++t) {
+        const uint8_t* b = VQ + (base + t) * (QG / 4);
+        for (int j = 0; j < QG / 4; ++j) {
+          vc[4 * j] = static_cast<float>(b[j] & 3);
+          vc[4 * j + 1] = static_cast<float>((b[j] >> 2) & 3);
+          vc[4 * j + 2] = static_cast<float>((b[j] >> 4) & 3);
+          vc[4 * j + 3] = static_cast<float>(b[j] >> 6);
+        }
+        const float vsf = bf2f(VS[base + t]), vzf = bf2f(VZ[base + t]);
+        for (int r = 0; r < grp; ++r) {
+          const float p = st.sc[r][t];
+          const float w = p * vsf;
+          float* a = st.acc[r] + g * QG;
+#pragma omp simd
+          for (int j = 0; j < QG; ++j) a[j] += w * vc[j];
+          st.zs[r][g] += p * vzf;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The instruction set the decode kernels were compiled for.
+const char* pask_attention_isa() {
+#if defined(PASK_AMX)
+  return amx_enabled() ? "avx512+amx" : "avx512";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(PASK_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+// Turns the AMX path for the INT4 tier on (want != 0, if the CPU and OS allow) or off; returns
+// whether it is on now. Without an AMX build: always 0.
+int pask_attention_use_amx(int want) {
+#if defined(PASK_AMX)
+  amx_wanted.store(want != 0 ? 1 : 0);
+  return amx_enabled() ? 1 : 0;
+#else
+  (void)want;
+  return 0;
+#endif
+}
+
+// Returns 0, or -1 for an unsupported shape (nothing written). bits: the L tier's code width (4 or 2).
+// q, out: [nseq, hkv * grp, D] (q bf16, out f32); per-sequence arrays of pointers (null = no tier /
+// finished sequence) and slot counts. A sequence with neither tier gets zeros.
+// probs (may be null; so may each entry): per sequence fp32 [hkv, hn + ln], the softmax weights of
+// its H slots then its L slots, averaged over each kv head's query rows (the step attention).
+int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const uint16_t* q,
+                      const void* const* kh, const void* const* vh, const int64_t* hcap, const int64_t* hn,
+                      const void* const* kq, const void* const* ksz, const void* const* vq,
+                      const void* const* vs, const void* const* vz, const int64_t* lcap, const int64_t* ln,
+                      const void* const* kbal, float* out, int nthreads, int bits, void* const* probs) {
+  if (D % QG != 0 || D > MAXD || D <= 0 || grp < 1 || grp > MAXR || hkv < 1 || nseq < 0) return -1;
+  if (bits != 4 && bits != 2) return -1;
+  const int ntask = nseq * hkv;
+  const int64_t rows = static_cast<int64_t>(hkv) * grp;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
+  for (int i = 0; i < ntask; ++i) {
+    const int b = i / hkv, h = i % hkv;
+    float* o = out + (b * rows + static_cast<int64_t>(h) * grp) * D;
+    Seq s{static_cast<const uint16_t*>(kh[b]), static_cast<const uint16_t*>(vh[b]), hcap[b], kh[b] ? hn[b] : 0,
+          static_cast<const uint8_t*>(kq[b]), static_cast<const uint8_t*>(vq[b]),
+          static_cast<const uint16_t*>(ksz[b]), static_cast<const uint16_t*>(vs[b]),
+          static_cast<const uint16_t*>(vz[b]), lcap[b], kq[b] ? ln[b] : 0, static_cast<const float*>(kbal[b])};
+    if (s.hn <= 0 && s.ln <= 0) {
+      std::fill(o, o + grp * D, 0.0f);
+      continue;
+    }
+    alignas(64) float qf[MAXR][MAXD];
+    alignas(64) float qh[MAXR][MAXD];
+    const uint16_t* qb = q + (b * rows + static_cast<int64_t>(h) * grp) * D;
+    for (int r = 0; r < grp; ++r)
+      for (int d = 0; d < D; ++d) {
+        qf[r][d] = bf2f(qb[r * D + d]);
+        qh[r][d] = qf[r][d] * scaling;
+      }
+    State st;
+    st.init(grp, D);
+#if defined(PASK_AMX)
+    st.amx = (D == 64 || D == 128) && 2 * grp <= MAXR && amx_enabled();
+    if (st.amx) amx_begin(grp);
+#endif
+    float* pw = probs != nullptr && probs[b] != nullptr ? static_cast<float*>(probs[b]) : nullptr;
+    std::vector<float> trace;
+    if (pw != nullptr) {
+      st.tstride = s.hn + s.ln;
+      trace.resize(static_cast<size_t>(grp) * st.tstride);
+      st.trace = trace.data();
+    }
+#if defined(PASK_AMX)
+    if (s.hn > 0 && st.amx) h_stream_amx(st, qb, scaling, s, h);
+    else
+#endif
+    if (s.hn > 0) h_stream(st, qb, qh, scaling, s, h);
+    if (s.ln > 0) {
+      if (bits == 2) l2_stream(st, qf, scaling, s, h);
+#if defined(PASK_AMX)
+      else if (st.amx && bits == 4) l_stream_amx(st, qf, scaling, s, h);
+#endif
+      else l_stream(st, qf, scaling, s, h);
+    }
+#if defined(PASK_AMX)
+    if (st.amx) _tile_release();
+#endif
+    st.write(o);
+    if (pw != nullptr) st.weights(pw + static_cast<int64_t>(h) * st.tstride);
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+// ---- moving one token from the H tier to the INT4 tier ----------------------------------------
+// Bit-exact with pask.kv.quant.quantize_codes (fp32 arithmetic, bf16 scale rounded up, zero rounded
+// down, widened until the top code covers the max, round-half-even codes): built without FP
+// contraction (-ffp-contract=off) so every product and sum rounds as PyTorch's separate ops do.
+namespace {
+
+inline uint16_t f2bf_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline uint16_t bf_next_up(uint16_t b) {  // nextafter(b, +inf) on bf16 bit patterns
+  if ((b & 0x7FFF) == 0) return 0x0001;     // +-0 -> smallest positive subnormal
+  return (b & 0x8000) ? static_cast<uint16_t>(b - 1) : static_cast<uint16_t>(b + 1);
+}
+
+inline uint16_t bf_next_down(uint16_t b) {  // nextafter(b, -inf)
+  if ((b & 0x7FFF) == 0) return 0x8001;
+  return (b & 0x8000) ? static_cast<uint16_t>(b + 1) : static_cast<uint16_t>(b - 1);
+}
+
+inline uint16_t round_up_bf(float x) {
+  uint16_t h = f2bf_rne(x);
+  return bf2f(h) < x ? bf_next_up(h) : h;
+}
+
+inline uint16_t round_down_bf(float x) {
+  uint16_t h = f2bf_rne(x);
+  return bf2f(h) > x ? bf_next_down(h) : h;
+}
+
+// codes[0..QG) of x[0..QG) with zero point zp; scale and zero as bf16 bits
+// Four 2-bit codes in one byte, code i at bits 2i (pask.kv.quant.pack_quads).
+inline uint8_t pack_quad(const uint8_t* c) {
+  return static_cast<uint8_t>(c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6));
+}
+
+void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < QG; ++i) {
+    mn = x[i] < mn ? x[i] : mn;
+    mx = x[i] > mx ? x[i] : mx;
+  }
+  const float top = static_cast<float>(qmax);
+  uint16_t scale = round_up_bf((mx - mn) / top);
+  if (!(bf2f(scale) > 0.0f)) scale = 0x3380;  // 2^-24
+  uint16_t zero;
+  float low;
+  for (;;) {
+    const float s = bf2f(scale);
+    zero = round_down_bf(mn + static_cast<float>(zp) * s);
+    low = bf2f(zero) - static_cast<float>(zp) * s;
+    if (!(low + top * s < mx)) break;
+    scale = bf_next_up(scale);
+  }
+  const float s = bf2f(scale);
+  for (int i = 0; i < QG; ++i) {
+    float c = std::nearbyint((x[i] - low) / s);
+    c = c < 0.0f ? 0.0f : (c > top ? top : c);
+    codes[i] = static_cast<uint8_t>(c);
+  }
+  *scale_out = scale;
+  *zero_out = zero;
+}
+
+}  // namespace
+
+// One token of one kv head into L slot `lslot`: keys balanced (k - mid) / bal, both quantised per
+// group of QG (pask.kv.quant.quantize_codes, bit-exact), written in the L tier's layouts.
+void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, const float* bal, int D, int bits, int h,
+                    uint8_t* KQ, uint16_t* KSZ, uint8_t* VQ, uint16_t* VS, uint16_t* VZ, int64_t lc, int64_t lslot) {
+  const int G = D / QG;
+  const int qmax = (1 << bits) - 1, kzp = 1 << (bits - 1);  // key zero point: 8 at 4 bits, 2 at 2 bits
+  const int64_t blk = lslot / BT, i = lslot % BT, col = i % (BT / 2);
+  const bool high = i >= BT / 2;
+  alignas(64) float kx[MAXD], vx[MAXD];
+  for (int d = 0; d < D; ++d) {
+    kx[d] = (bf2f(k[d]) - mid[d]) / bal[d];
+    vx[d] = bf2f(v[d]);
+  }
+  for (int g = 0; g < G; ++g) {
+    uint8_t kc[QG], vc[QG];
+    uint16_t ks, kz, vsc, vzr;
+    quantize_group(kx + g * QG, kzp, qmax, kc, &ks, &kz);
+    quantize_group(vx + g * QG, 0, qmax, vc, &vsc, &vzr);
+    const int64_t gs = (static_cast<int64_t>(h) * G + g) * lc + lslot;
+    if (bits == 4) {
+      for (int j = 0; j < QG; ++j) {
+        uint8_t* byte = KQ + ((static_cast<int64_t>(h) * (lc / BT) + blk) * D + g * QG + j) * (BT / 2) + col;
+        *byte = high ? static_cast<uint8_t>((*byte & 0x0F) | (kc[j] << 4)) : static_cast<uint8_t>((*byte & 0xF0) | kc[j]);
+      }
+      for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
+    } else {
+      uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / 4) + g * (QG / 4);
+      for (int j = 0; j < QG / 4; ++j) {
+        krow[j] = pack_quad(kc + 4 * j);
+        VQ[gs * (QG / 4) + j] = pack_quad(vc + 4 * j);
+      }
+    }
+    KSZ[2 * gs] = ks;
+    KSZ[2 * gs + 1] = kz;
+    VS[gs] = vsc;
+    VZ[gs] = vzr;
+  }
+}
+
+extern "C" {
+
+// For each of `nlayers` layers (one layer group): quantise H slot `slot` of every kv head into L
+// slot `lslot` at `bits` (4: the blocked INT4 layout; 2: four codes per byte, token-major keys),
+// keys balanced by kbal, then move H slot `last` into `slot` (unless equal). The caller has grown
+// the L tier to hold `lslot` and does the bookkeeping. Returns 0, -1 on a bad shape or width.
+int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const void* const* hv,
+                     const int64_t* hcap, int64_t slot, int64_t last, const void* const* kq, const void* const* ksz,
+                     const void* const* vq, const void* const* vs, const void* const* vz, const int64_t* lcap,
+                     int64_t lslot, const void* const* kbal, int bits) {
+  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || (bits != 4 && bits != 2)) return -1;
+  for (int li = 0; li < nlayers; ++li) {
+    uint16_t* K = static_cast<uint16_t*>(const_cast<void*>(hk[li]));
+    uint16_t* V = static_cast<uint16_t*>(const_cast<void*>(hv[li]));
+    uint8_t* KQ = static_cast<uint8_t*>(const_cast<void*>(kq[li]));
+    uint16_t* KSZ = static_cast<uint16_t*>(const_cast<void*>(ksz[li]));
+    uint8_t* VQ = static_cast<uint8_t*>(const_cast<void*>(vq[li]));
+    uint16_t* VS = static_cast<uint16_t*>(const_cast<void*>(vs[li]));
+    uint16_t* VZ = static_cast<uint16_t*>(const_cast<void*>(vz[li]));
+    const float* bal_all = static_cast<const float*>(kbal[li]);
+    const int64_t hc = hcap[li], lc = lcap[li];
+    for (int h = 0; h < hkv; ++h) {
+      uint16_t* k = K + (static_cast<int64_t>(h) * hc + slot) * D;
+      uint16_t* v = V + (static_cast<int64_t>(h) * hc + slot) * D;
+      const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
+      quantize_token(k, v, mid, mid + D, D, bits, h, KQ, KSZ, VQ, VS, VZ, lc, lslot);
+      if (last != slot) {
+        std::memcpy(k, K + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
+        std::memcpy(v, V + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
+      }
+    }
+  }
+  return 0;
+}
+
+
+// Quantise n tokens k, v [hkv, n, D] bf16 (contiguous) of one store into its L slots
+// [lslot, lslot + n) (capacity already reserved), bit-exact with pask.kv.quant as the move is.
+// Parallel over (kv head, 64-slot block): the two slots sharing an INT4 key byte stay in one task.
+int pask_quantize_low(int hkv, int D, const void* k, const void* v, int64_t n, void* kq, void* ksz, void* vq, void* vs,
+                      void* vz, int64_t lcap, int64_t lslot, const void* kbal, int bits, int nthreads) {
+  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || n < 0 || (bits != 4 && bits != 2)) return -1;
+  if (lslot < 0 || lslot + n > lcap) return -1;
+  const uint16_t* K = static_cast<const uint16_t*>(k);
+  const uint16_t* V = static_cast<const uint16_t*>(v);
+  const float* bal_all = static_cast<const float*>(kbal);
+  const int64_t b0 = lslot / BT, b1 = (lslot + n + BT - 1) / BT, nblk = b1 - b0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
+  for (int64_t task = 0; task < hkv * nblk; ++task) {
+    const int h = static_cast<int>(task / nblk);
+    const int64_t blk = b0 + task % nblk;
+    const int64_t s0 = std::max(lslot, blk * BT), s1 = std::min(lslot + n, (blk + 1) * BT);
+    const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
+    for (int64_t sl = s0; sl < s1; ++sl) {
+      const int64_t t = sl - lslot;
+      quantize_token(K + (h * n + t) * D, V + (h * n + t) * D, mid, mid + D, D, bits, h, static_cast<uint8_t*>(kq),
+                     static_cast<uint16_t*>(ksz), static_cast<uint8_t*>(vq), static_cast<uint16_t*>(vs),
+                     static_cast<uint16_t*>(vz), lcap, sl);
+    }
+  }
+  return 0;
+}
+
+// A decode step's new token of each row into its H tier: for row r with kd[r] non-null,
+// kd[r][h][slot[r]][:] = k[r][h][:] and the same for v (bf16; k, v [rows, hkv, D] contiguous;
+// tiers [hkv, cap[r], D]). One call per layer in place of a PyTorch copy per row and part.
+// Returns 0, -1 on a bad shape or a slot past its tier's capacity (nothing written then).
+int pask_append_h(int64_t rows, int hkv, int D, const void* k, const void* v, void* const* kd, void* const* vd,
+                  const int64_t* cap, const int64_t* slot) {
+  if (rows < 0 || hkv < 1 || D < 1) return -1;
+  for (int64_t r = 0; r < rows; ++r)
+    if (kd[r] != nullptr && (vd[r] == nullptr || slot[r] < 0 || slot[r] >= cap[r])) return -1;
+  const uint16_t* K = static_cast<const uint16_t*>(k);
+  const uint16_t* V = static_cast<const uint16_t*>(v);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (kd[r] == nullptr) continue;
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t src = (r * hkv + h) * D, dst = (h * cap[r] + slot[r]) * D;
+      std::copy(K + src, K + src + D, static_cast<uint16_t*>(kd[r]) + dst);
+      std::copy(V + src, V + src + D, static_cast<uint16_t*>(vd[r]) + dst);
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

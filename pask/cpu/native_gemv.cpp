@@ -1,0 +1,378 @@
+// BF16-weight linear layers for decode steps. pask_linear_bf16 (CPUs without BF16 arithmetic): y = x W^T + b with
+// x [M, K] fp32 (a few rows: one per sequence of a decode batch), W [N, K] bf16 (nn.Linear's
+// layout, read in place), b [N] fp32 or null, y [M, N] fp32. Plain C ABI, loaded with ctypes by
+// pask/native_gemv.py. Every weight is widened to fp32 exactly (bf16 -> fp32 is a shift) and
+// products are accumulated in fp32, as PyTorch's fp32 GEMM over the upcast weight does; only the
+// summation order differs. A decode step reads each weight once per step instead of 2x its bytes
+// (an fp32 copy) or converting it in a general GEMM: at a few rows the layer is bound by reading
+// W, so half the bytes is the speed-up.
+//
+// Work split: chunks of output columns over OpenMP threads; per column up to 6 rows at a time,
+// each with 2 accumulator chains (the same for every row count: a row's sum never depends on its
+// batch-mates), over slices of the reduction that keep x in L1 and carry their accumulators.
+// pask_linear_bf16_io (CPUs with AVX512-BF16; PASK_BF16_MATMUL=gemv, the server's default): bf16 in and out, on
+// AMX tiles where the OS grants them, else bf16 dot products.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "native_common.h"
+
+namespace {
+
+using pask_native::bf2f;
+
+constexpr int MAXM = 8;  // rows per pass over a weight row (bf16-io path: one accumulator per row and weight row)
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline float hadd8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+// Batch invariance: a row's sum is formed the same way whatever the other rows of the call are
+// (how many, which): U partial sums per row for every tile size, and a reduction split into
+// slices keeps its accumulators between slices (`keep`), so that slicing changes nothing. A
+// decode step then gives every sequence the same logits alone or in any batch.
+constexpr int U = 2;     // partial sums (FMA chains) per row
+constexpr int MAXR = 6;  // rows per pass over a weight row: MAXR x U accumulators in registers
+
+// y[m * ldy] = x_m . w + b over k in [0, K) for MT rows of x (row stride ldx), as one slice of a
+// longer reduction: accumulators start at zero (`first`) or from `keep` [MT * U], and are left in
+// `keep` unless `last`. Slices other than the last are multiples of 8 * U values; K % 8 == 0.
+template <int MT>
+inline void dot_rows(const float* x, int64_t ldx, int64_t K, const uint16_t* w, float* y, int64_t ldy, float b,
+                     __m256* keep, bool first, bool last) {
+  __m256 acc[MT][U];
+  for (int m = 0; m < MT; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = first ? _mm256_setzero_ps() : keep[m * U + u];
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = bf16x8(w + k + 8 * u);
+      for (int m = 0; m < MT; ++m) acc[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k + 8 * u), acc[m][u]);
+    }
+  for (; k < K; k += 8) {  // the reduction's tail (last slice only)
+    const __m256 wv = bf16x8(w + k);
+    for (int m = 0; m < MT; ++m) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m][0]);
+  }
+  if (!last) {
+    for (int m = 0; m < MT; ++m)
+      for (int u = 0; u < U; ++u) keep[m * U + u] = acc[m][u];
+    return;
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m256 s = acc[m][0];
+    for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[m][u]);
+    y[m * ldy] = hadd8(s) + b;
+  }
+}
+
+void rows(int mt, const float* x, int64_t ldx, int64_t K, const uint16_t* w, float* y, int64_t ldy, float b,
+          __m256* keep, bool first, bool last) {
+  switch (mt) {
+    case 1: dot_rows<1>(x, ldx, K, w, y, ldy, b, keep, first, last); break;
+    case 2: dot_rows<2>(x, ldx, K, w, y, ldy, b, keep, first, last); break;
+    case 3: dot_rows<3>(x, ldx, K, w, y, ldy, b, keep, first, last); break;
+    case 4: dot_rows<4>(x, ldx, K, w, y, ldy, b, keep, first, last); break;
+    case 5: dot_rows<5>(x, ldx, K, w, y, ldy, b, keep, first, last); break;
+    default: dot_rows<6>(x, ldx, K, w, y, ldy, b, keep, first, last); break;
+  }
+}
+#define PASK_GEMV_SLICES 1
+#else
+constexpr int MAXR = 8;
+// Portable: one sum per row over the whole reduction (never sliced), the same for any batch.
+void rows(int mt, const float* x, int64_t ldx, int64_t K, const uint16_t* w, float* y, int64_t ldy, float b) {
+  for (int m = 0; m < mt; ++m) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; ++k) s += x[m * ldx + k] * bf2f(w[k]);
+    y[m * ldy] = s + b;
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PASK_GEMV_BF16 1
+// ---- CPUs with AVX512-BF16: bf16 x bf16 dot products (exact products, fp32 sums), bf16 in and out --
+// Two weight rows x up to 8 input rows per pass over the reduction: 16 accumulators, summed
+// across lanes together at the end (pask_native::hsum16).
+// y[m][n], y[m][n + 1] for MT rows of x: accumulators 0..7 = (row n, x row m), 8..15 = (n + 1, m)
+template <int MT>
+inline void pair_dot(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1, float* sums) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + k), b = (__m512bh)_mm512_loadu_si512(w1 + k);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      acc[m] = _mm512_dpbf16_ps(acc[m], xv, a);
+      acc[8 + m] = _mm512_dpbf16_ps(acc[8 + m], xv, b);
+    }
+  }
+  if (k < K) {  // K % 8 == 0: a masked tail of 8, 16 or 24 values
+    const __mmask32 t = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(t, w0 + k), b = (__m512bh)_mm512_maskz_loadu_epi16(t, w1 + k);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(t, x + m * K + k);
+      acc[m] = _mm512_dpbf16_ps(acc[m], xv, a);
+      acc[8 + m] = _mm512_dpbf16_ps(acc[8 + m], xv, b);
+    }
+  }
+  _mm512_storeu_ps(sums, pask_native::hsum16(acc));
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>((u >> 16) | ((u & 0xFFFF) ? 0x40 : 0));
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Rows [n0, n1) of y by pairs of weight rows (the path without tiles, and the tail of the tile path).
+void pair_rows_range(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint16_t* x, const uint16_t* w,
+                     const uint16_t* bias, uint16_t* y) {
+  for (int64_t n = n0; n < n1; n += 2) {
+    const bool two = n + 1 < n1;
+    const uint16_t* w0 = w + n * K;
+    const uint16_t* w1 = two ? w0 + K : w0;
+    const float b0 = bias ? bf2f(bias[n]) : 0.0f, b1 = bias && two ? bf2f(bias[n + 1]) : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
+      const int mt = static_cast<int>(std::min<int64_t>(MAXM, M - m0));
+      alignas(64) float sums[16];
+      const uint16_t* xm = x + m0 * K;
+      switch (mt) {
+        case 1: pair_dot<1>(xm, K, w0, w1, sums); break;
+        case 2: pair_dot<2>(xm, K, w0, w1, sums); break;
+        case 3: pair_dot<3>(xm, K, w0, w1, sums); break;
+        case 4: pair_dot<4>(xm, K, w0, w1, sums); break;
+        case 5: pair_dot<5>(xm, K, w0, w1, sums); break;
+        case 6: pair_dot<6>(xm, K, w0, w1, sums); break;
+        case 7: pair_dot<7>(xm, K, w0, w1, sums); break;
+        default: pair_dot<8>(xm, K, w0, w1, sums); break;
+      }
+      for (int m = 0; m < mt; ++m) {
+        y[(m0 + m) * N + n] = f2bf(sums[m] + b0);
+        if (two) y[(m0 + m) * N + n + 1] = f2bf(sums[8 + m] + b1);
+      }
+    }
+  }
+}
+#endif
+
+#if defined(PASK_GEMV_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PASK_GEMV_AMX 1
+// ---- AMX tiles (Sapphire Rapids and later): y^T = W x^T, 16 weight rows per tile -------------
+// A = 16 weight rows x 32 values, read in place (row stride K); B = x^T for the same 32 values as
+// VNNI pairs (16 rows of M pairs, packed once per call); C = 16 weight rows x M fp32.
+using pask_native::amx_granted;
+using pask_native::TileConfig;
+
+// Tiles: 0 = B (16 rows of M pairs), 1..3 = A (16 weight rows x 32 values), 4..7 = C (16 x M fp32).
+void tile_config(int64_t M) {
+  TileConfig cfg;
+  cfg.rows[0] = 16, cfg.colsb[0] = static_cast<uint16_t>(M * 4);
+  for (int i = 1; i < 4; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  for (int i = 4; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = static_cast<uint16_t>(M * 4);
+  _tile_loadconfig(&cfg);
+}
+
+// y[m][col .. col + 16) = bf16(c[r][m] + bias[col + r]) for the M rows of x: one tile's 16 weight rows,
+// read down c's columns (a gather from L1), rounded as f2bf does (to nearest even; NaN stays NaN).
+inline void store_tile(int64_t M, int64_t N, int64_t col, const float (*c)[16], const uint16_t* bias, uint16_t* y) {
+  const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));
+  const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + col))), 16))
+                         : _mm512_setzero_ps();
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), expo = _mm512_set1_epi32(0x7F800000);
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_i32gather_ps(down, &c[0][m], 4), bv));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+    const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expo), expo);  // inf or NaN: truncate, keep NaN
+    if (special) {
+      const __m512i t = _mm512_srli_epi32(u, 16);
+      const __mmask16 nan = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0xFFFF));
+      r = _mm512_mask_mov_epi32(r, special, _mm512_mask_or_epi32(t, special & nan, t, _mm512_set1_epi32(0x40)));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + col), _mm512_cvtepi32_epi16(r));
+  }
+}
+
+// Weight rows [n0, n1) (n1 - n0 a multiple of 16), tile config loaded.
+void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint32_t* xt, const uint16_t* w,
+               const uint16_t* bias, uint16_t* y) {
+  const int64_t ldw = K * 2, ldx = M * 4;
+  alignas(64) float c[4][16][16];
+  for (int64_t n = n0; n < n1; n += 64) {
+    const int nb = static_cast<int>(std::min<int64_t>(4, (n1 - n) / 16));
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const uint16_t* wn = w + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      _tile_loadd(0, xt + (k / 2) * M, ldx);
+      _tile_loadd(1, wn + k, ldw);
+      _tile_dpbf16ps(4, 1, 0);
+      if (nb > 1) {
+        _tile_loadd(2, wn + 16 * K + k, ldw);
+        _tile_dpbf16ps(5, 2, 0);
+      }
+      if (nb > 2) {
+        _tile_loadd(3, wn + 32 * K + k, ldw);
+        _tile_dpbf16ps(6, 3, 0);
+      }
+      if (nb > 3) {
+        _tile_loadd(1, wn + 48 * K + k, ldw);
+        _tile_dpbf16ps(7, 1, 0);
+      }
+    }
+    _tile_stored(4, c[0], 64);
+    if (nb > 1) _tile_stored(5, c[1], 64);
+    if (nb > 2) _tile_stored(6, c[2], 64);
+    if (nb > 3) _tile_stored(7, c[3], 64);
+    for (int b = 0; b < nb; ++b) store_tile(M, N, n + 16 * b, c[b], bias, y);
+  }
+}
+#endif
+
+}  // namespace
+
+#if defined(PASK_GEMV_AMX)
+std::atomic<int> amx_wanted{[] {
+  const char* e = std::getenv("PASK_AMX");
+  return e != nullptr && e[0] == '0' ? 0 : 1;
+}()};
+bool gemv_amx_wanted() { return amx_wanted.load(std::memory_order_relaxed) != 0; }
+#endif
+
+extern "C" {
+
+// Turns the AMX path of pask_linear_bf16_io on or off; returns whether it is on now.
+int pask_gemv_use_amx(int want) {
+#if defined(PASK_GEMV_AMX)
+  amx_wanted.store(want != 0 ? 1 : 0);
+  return want != 0 && amx_granted() ? 1 : 0;
+#else
+  (void)want;
+  return 0;
+#endif
+}
+
+// Whether pask_linear_bf16_io runs (CPUs with AVX512-BF16): 1, else 0.
+int pask_gemv_has_bf16_io() {
+#if defined(PASK_GEMV_BF16)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// y = x W^T + b, all bf16 (x [M, K], W [N, K], b [N] or null, y [M, N]); products exact in fp32,
+// sums in fp32, y rounded to nearest even once. Returns 0, or -1 (unsupported shape, or no
+// AVX512-BF16 build: nothing written).
+int pask_linear_bf16_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                        uint16_t* y, int nthreads) {
+#if defined(PASK_GEMV_BF16)
+  if (M <= 0 || K <= 0 || N <= 0 || K % 8 != 0) return -1;
+  const int nt = nthreads > 0 ? nthreads : 1;
+#if defined(PASK_GEMV_AMX)
+  if (M <= 16 && K % 32 == 0 && N >= 16 && gemv_amx_wanted() && amx_granted()) {
+    // x^T as VNNI pairs: xt[p][m] = (x[m][2p], x[m][2p + 1]) for every pair p of the K values
+    // (the caller's buffer, kept across calls: no allocation per layer; the team reads it by pointer)
+    thread_local std::vector<uint32_t> buf;
+    buf.resize(static_cast<size_t>(K / 2) * M);
+    uint32_t* xt = buf.data();
+    const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t p = 0; p < K / 2; ++p) xt[p * M + m] = x32[m * (K / 2) + p];
+    // chunks of 64 weight rows, handed out dynamically: a thread that loses its core for a while
+    // (the server's own threads share it) does not hold the whole layer back
+    const int64_t blocks = N / 16, tail = blocks * 16, chunks = (blocks + 3) / 4;
+#pragma omp parallel num_threads(nt)
+    {
+      tile_config(M);
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t c = 0; c < chunks; ++c)
+        tile_rows(M, K, N, 64 * c, std::min(tail, 64 * (c + 1)), xt, w, bias, y);
+      _tile_release();
+    }
+    if (tail < N) pair_rows_range(M, K, N, tail, N, x, w, bias, y);
+    return 0;
+  }
+#endif
+  const int64_t chunks = (N + 63) / 64;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+  for (int64_t c = 0; c < chunks; ++c) pair_rows_range(M, K, N, 64 * c, std::min(N, 64 * (c + 1)), x, w, bias, y);
+  return 0;
+#else
+  (void)M, (void)K, (void)N, (void)x, (void)w, (void)bias, (void)y, (void)nthreads;
+  return -1;
+#endif
+}
+
+// The instruction set the kernel was compiled for.
+const char* pask_gemv_isa() {
+#if defined(PASK_GEMV_AMX)
+  return amx_granted() && gemv_amx_wanted() ? "avx512bf16+amx" : "avx512bf16";
+#elif defined(PASK_GEMV_BF16)
+  return "avx512bf16";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+// Returns 0, or -1 for an unsupported shape (K not a multiple of 8, or a non-positive size).
+int pask_linear_bf16(int64_t M, int64_t K, int64_t N, const float* x, const uint16_t* w, const float* bias, float* y,
+                     int nthreads) {
+  if (M <= 0 || K <= 0 || N <= 0 || K % 8 != 0) return -1;
+  // Columns in chunks of NC. Where x is much larger than L1 (e.g. 8 rows of a 4864-wide MLP
+  // input), the reduction runs in slices of 512 so that a slice of x stays in L1 while the
+  // chunk's weight rows stream past it; otherwise slicing only breaks the weight stream (measured
+  // on a 2-core AMD EPYC: 1.5x faster at 8 rows x 4864, 2x slower at 1 row). The slices keep their
+  // accumulators, so the sums do not depend on whether (or how) the reduction was sliced.
+  const int64_t NC = 64;
+#if defined(PASK_GEMV_SLICES)
+  const int64_t KB = M * K * 4 > 65536 ? 512 : K;
+#endif
+  const int64_t chunks = (N + NC - 1) / NC;
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n1 = std::min(N, (c + 1) * NC);
+#if defined(PASK_GEMV_SLICES)
+    alignas(32) __m256 keep[NC * MAXR * U];  // accumulators of the chunk's columns between slices
+#endif
+    for (int64_t m0 = 0; m0 < M; m0 += MAXR) {
+      const int mt = static_cast<int>(std::min<int64_t>(MAXR, M - m0));
+#if defined(PASK_GEMV_SLICES)
+      for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t kn = std::min(KB, K - k0);
+        for (int64_t n = c * NC; n < n1; ++n)
+          rows(mt, x + m0 * K + k0, K, kn, w + n * K + k0, y + m0 * N + n, N, bias ? bias[n] : 0.0f,
+               keep + (n - c * NC) * MAXR * U, k0 == 0, k0 + kn >= K);
+      }
+#else
+      for (int64_t n = c * NC; n < n1; ++n) rows(mt, x + m0 * K, K, K, w + n * K, y + m0 * N + n, N, bias ? bias[n] : 0.0f);
+#endif
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,184 @@
+"""Native BF16-weight linear for decode steps (a few input rows).
+
+``native_gemv.cpp`` computes ``x W^T + b`` reading the bf16 weight in place, widening it to fp32
+exactly and accumulating in fp32: the fp32 product of the ``fp32`` / ``fp32-weights`` modes of
+:mod:`pask.cpu.bf16_matmul` up to summation order, at half the bytes of an fp32 weight copy and without
+PyTorch's slow bf16 GEMV. Built by :mod:`pask.cpu.native` on first use; a start-up probe compares it
+with ``F.linear`` in fp32 on random shapes. With ``PASK_NATIVE=0`` :func:`available` is False and
+callers keep their PyTorch path. Without a compiler, without the source (a broken install), or if
+the probe fails, :func:`available` raises :class:`pask.cpu.native.NativeKernelError`;
+``PASK_ALLOW_FALLBACK=1`` makes it warn and return False instead (:func:`pask.cpu.native.unavailable`).
+:func:`status` reports the state without raising.
+
+On CPUs with AVX512-BF16, :func:`linear_bf16` takes bf16 in and out (what a bf16 GEMM computes:
+exact products, fp32 sums, one rounding) for :func:`pask.cpu.bf16_matmul.apply_gemv`: AMX tiles where
+the CPU and OS allow (``A`` = 16 weight rows read in place, ``B`` = the input's transpose as bf16
+pairs packed once per call; :func:`use_amx`, ``PASK_AMX=0``), else dot products over two weight
+rows and up to 8 input rows at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pask.cpu import native
+
+SOURCE = Path(__file__).with_name("native_gemv.cpp")
+FLAGS = list(native.COMMON_FLAGS)
+MAX_ROWS = 16  # input rows up to which :func:`applies` (decode batches); larger inputs are GEMMs
+
+_LIB: ctypes.CDLL | None = None
+_STATE: str | None = None  # None: not tried; "ok"; or why it is not used
+_WARNED = False  # the fallback warning (PASK_ALLOW_FALLBACK=1) was given for this probe
+
+
+def _probe() -> str:
+    global _LIB
+    if native.disabled():
+        return "disabled by PASK_NATIVE=0"
+    try:
+        lib = ctypes.CDLL(str(native.build(SOURCE, FLAGS)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"unavailable: {e}"
+    f = lib.pask_linear_bf16
+    f.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    f.restype = ctypes.c_int
+    lib.pask_gemv_isa.restype = ctypes.c_char_p
+    g = lib.pask_linear_bf16_io
+    g.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    g.restype = ctypes.c_int
+    lib.pask_gemv_use_amx.argtypes = [ctypes.c_int]
+    lib.pask_gemv_use_amx.restype = ctypes.c_int
+    _LIB = lib
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n, bias in ((1, 64, 40, False), (3, 136, 17, True), (8, 256, 33, True), (11, 64, 5, False)):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        got = _call(x, w, b)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            _LIB = None
+            return f"probe mismatch (max abs error {float((got - want).abs().max()):.2e})"
+    if lib.pask_gemv_has_bf16_io():  # bf16 in / out: one rounding of the fp32 sum (AMX tiles, dot products)
+        for m, k, n, bias in ((1, 64, 40, False), (8, 896, 48, True), (16, 96, 33, True), (5, 40, 17, False)):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+            b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+            want = F.linear(x.float(), w.float(), None if b is None else b.float())
+            got = linear_bf16(x, w, b).float()
+            if not torch.allclose(got, want, rtol=2**-7, atol=1e-3):
+                _LIB = None
+                return f"probe mismatch, bf16 path (max abs error {float((got - want).abs().max()):.2e})"
+    return "ok"
+
+
+def _state() -> str:
+    """Probe once per process (never raises); ``"ok"`` or why the kernel is not used."""
+    global _STATE, _WARNED
+    if _STATE is None:
+        _STATE, _WARNED = _probe(), False
+    return _STATE
+
+
+def available() -> bool:
+    """Whether the kernel is built, loaded and agrees with ``F.linear`` (cached per process).
+
+    False with ``PASK_NATIVE=0``. A kernel that could not be built, loaded or probed raises
+    :class:`pask.cpu.native.NativeKernelError`, or with ``PASK_ALLOW_FALLBACK=1`` warns (once) and
+    gives False.
+    """
+    global _WARNED
+    state = _state()
+    if state == "ok":
+        return True
+    if not state.startswith("disabled"):
+        native.unavailable("native gemv", state, "PyTorch's linear", warn=not _WARNED)
+        _WARNED = True
+    return False
+
+
+def status() -> str:
+    """``"ok"`` or why the kernel is not used (probes on first use; never raises)."""
+    return _state()
+
+
+def isa() -> str | None:
+    """The instruction set the kernel runs (``avx512bf16+amx``, ``avx512bf16``, ``avx2``, ``portable``), or None."""
+    return _LIB.pask_gemv_isa().decode() if _state() == "ok" and _LIB is not None else None
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` serves this bf16 input and weight on the CPU (at most ``MAX_ROWS`` rows)."""
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and weight.shape[1] % 8 == 0
+        and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+        and weight.is_contiguous()
+        and available()
+    )
+
+
+def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k, n = weight.shape[1], weight.shape[0]
+    x32 = x.reshape(-1, k).float().contiguous()
+    b32 = None if bias is None else bias.float().contiguous()
+    y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+    rc = _LIB.pask_linear_bf16(
+        x32.shape[0],
+        k,
+        n,
+        x32.data_ptr(),
+        weight.data_ptr(),
+        None if b32 is None else b32.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native gemv rejected the shape ({x32.shape[0]} x {k} x {n})")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x.float(), weight.float(), bias.float())`` in fp32 (shape ``[..., N]``), reading
+    the bf16 ``weight [N, K]`` in place; callers check :func:`applies` first."""
+    if _LIB is None and not available():
+        raise RuntimeError(f"pask native gemv is {status()}")
+    return _call(x, weight, bias)
+
+
+def has_bf16_io() -> bool:
+    """Whether :func:`linear_bf16` runs here (the kernel built with AVX512-BF16 dot products)."""
+    return available() and _LIB is not None and bool(_LIB.pask_gemv_has_bf16_io())
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on bf16 ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> bf16 ``[..., N]`` with
+    AVX512-BF16 dot products: exact products, fp32 sums, one rounding (what a bf16 GEMM computes, up
+    to summation order). Callers check :func:`applies` and :func:`has_bf16_io` first."""
+    k, n = weight.shape[1], weight.shape[0]
+    xb = x.reshape(-1, k).contiguous()
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
+    rc = _LIB.pask_linear_bf16_io(
+        xb.shape[0], k, n, xb.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native bf16 gemv rejected the shape ({xb.shape[0]} x {k} x {n})")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def use_amx(on: bool) -> bool:
+    """Turn the AMX tiles of :func:`linear_bf16` on or off (on by default where the CPU and OS allow;
+    ``PASK_AMX=0`` starts with them off); returns whether they are on now."""
+    return has_bf16_io() and bool(_LIB.pask_gemv_use_amx(int(on)))

@@ -1,0 +1,183 @@
+"""The evaluation runner of every task: batched, resumable, per-case JSONL + summary.
+
+:func:`run_task` evaluates a :class:`~pask.tasks.base.Task`'s cases under a KV policy:
+``out_dir/cases.jsonl`` gets one row per case as it finishes (a later call with the same
+directory skips the ids already there; a torn last line is dropped first), then ``summary.json``
+(the task's summary, the measured budgets and this run's record) and ``summary.md`` (the task's
+table) are written from the rows of the cases asked for. Decoding goes through
+:func:`pask.runtime.engine.generate` (``batching="static"``: batches of ``batch_size`` in order of
+prompt length, flushed per batch) or :func:`pask.evaluation.continuous.decode_continuous`
+(``"continuous"``: at most ``batch_size`` running, a freed row takes the next case, flushed per case).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pask.errors import PaskError
+from pask.evaluation.case_rows import read_done, repair_jsonl
+from pask.evaluation.continuous import check_batching, decode_continuous
+from pask.runtime.engine import generate
+from pask.runtime.models import LoadedModel
+from pask.runtime.tokens import Generation, Request, eos_ids
+from pask.structure.constraint import Constraint, SchemaError, ll_tokenizer
+from pask.tasks.base import Output, Task, measured_budgets
+
+
+def prepare(
+    task: Task, lm: LoadedModel, case: Any, max_new_tokens: int | None = None, tagging: bool = False, **options: Any
+) -> tuple[Request, str | None]:
+    """The engine request of a case (prompt ids, compiled grammar, parser; tagger and prompt labels
+    when ``tagging``) and the reason it cannot run (None when it can).
+
+    A grammar llguidance rejects is the case's error (``schema_error: ...``), not raised.
+    """
+    tok = lm.tokenizer
+    tr = task.request(case, tok, tagging, **options)
+    if tr.error is not None:
+        return Request(tr.prompt_ids), tr.error
+    constraint = None
+    if tr.grammar is not None:
+        try:
+            constraint = Constraint(ll_tokenizer(tok, eos_ids(tok)), tr.grammar)
+        except SchemaError as e:
+            return Request(tr.prompt_ids), f"schema_error: {e}"
+    m = task.default_max_new_tokens if max_new_tokens is None else max_new_tokens
+    return Request(tr.prompt_ids, constraint, m, parse=tr.parse, tagger=tr.tagger, prompt_labels=tr.prompt_labels), None
+
+
+def case_row(
+    task: Task, case: Any, gen: Generation, req: Request | None = None, save_tags: bool = False, **options: Any
+) -> dict:
+    """A finished case's row: the task's fields and check, then the generation's record."""
+    out = Output(gen.text, gen.stop_reason, gen.parsed, gen.parse_error)
+    return {
+        **task.case_fields(case),
+        "prompt_len": gen.prompt_len,
+        "output": gen.text,
+        **task.check(case, out, **options),
+        "stop_reason": gen.stop_reason,
+        "n_generated": len(gen.token_ids),
+        "prefill_ms": round(gen.prefill_ms, 2),
+        "tpot_ms": round(gen.tpot_ms, 2),
+        "budget": gen.extra.get("budget"),
+        "tags": [str(t) for t in gen.extra.get("tags", [])] if save_tags else None,
+        "prompt_labels": [str(x) for x in req.prompt_labels or []] if save_tags and req else None,
+    }
+
+
+def error_row(task: Task, case: Any, req: Request, error: str, **options: Any) -> dict:
+    """The row of a case that could not run (scored wrong, stop reason ``schema_error``)."""
+    out = Output("", "schema_error", error=error)
+    return {
+        **task.case_fields(case),
+        "prompt_len": len(req.prompt_ids),
+        "output": "",
+        **task.check(case, out, **options),
+        "stop_reason": "schema_error",
+        "n_generated": 0,
+        "prefill_ms": 0,
+        "tpot_ms": 0,
+        "budget": None,
+        "tags": None,
+        "prompt_labels": None,
+    }
+
+
+def summarize(task: Task, rows: list[dict]) -> dict:
+    """The task's summary of ``rows`` followed by the measured budgets."""
+    return {**task.summarize(rows), **measured_budgets(rows)}
+
+
+def run_task(
+    task: Task,
+    lm: LoadedModel | None,
+    cases: list,
+    out_dir: Path,
+    batch_size: int = 8,
+    max_new_tokens: int | None = None,
+    policy=None,
+    progress: Callable[[int], None] | None = None,
+    meta: dict | None = None,
+    save_tags: bool = False,
+    batching: str = "static",
+    **options: Any,
+) -> dict:
+    """Evaluate ``cases`` of ``task`` into ``out_dir`` (resuming there) and write the summary; return it.
+
+    ``max_new_tokens``: default the task's; ``policy``: a fresh KV policy (None: Full KV);
+    ``progress(n)``: called with the cases already done, then as cases finish; ``meta``: the run
+    record's fields (model, policy, command, ...); ``save_tags``: store per-token tags and prompt
+    labels in the rows; ``batching``: ``"static"`` or ``"continuous"``; ``options``: the task's
+    options (defaults filled in). Given only finished cases, ``lm`` is not touched (may be None).
+    """
+    if batch_size < 1:
+        raise PaskError("--batch-size must be >= 1")
+    if max_new_tokens is None:
+        max_new_tokens = task.default_max_new_tokens
+    if max_new_tokens < 1:
+        raise PaskError("--max-new-tokens must be >= 1")
+    check_batching(batching)
+    options = task.resolve_options(options)
+    tagging = save_tags or getattr(policy, "needs_tags", False)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "cases.jsonl"
+    repair_jsonl(jsonl)
+    done = read_done(jsonl)
+    todo = [c for c in cases if c.id not in done]
+    if progress:
+        progress(len(cases) - len(todo))
+    prepared = [(c, *prepare(task, lm, c, max_new_tokens, tagging, **options)) for c in todo]
+    prepared.sort(key=lambda x: len(x[1].prompt_ids))  # less padding per batch
+    t0 = time.perf_counter()
+    with open(jsonl, "a") as f:
+        for c, req, err in [p for p in prepared if p[2] is not None]:
+            f.write(json.dumps(error_row(task, c, req, err, **options)) + "\n")
+            if progress:
+                progress(1)
+        runnable = [p for p in prepared if p[2] is None]
+
+        def write(c, g: Generation, r: Request) -> None:
+            f.write(json.dumps(case_row(task, c, g, r, save_tags, **options)) + "\n")
+
+        if batching == "continuous":
+
+            def finished(i: int, g: Generation) -> None:
+                c, r, _ = runnable[i]
+                write(c, g, r)
+                f.flush()
+                if progress:
+                    progress(1)
+
+            decode_continuous(lm, ((i, r) for i, (_, r, _) in enumerate(runnable)), batch_size, policy, finished)
+        else:
+            for i in range(0, len(runnable), batch_size):
+                chunk = runnable[i : i + batch_size]
+                gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
+                for (c, r, _), g in zip(chunk, gens, strict=True):
+                    write(c, g, r)
+                f.flush()
+                if progress:
+                    progress(len(chunk))
+    return write_summary(task, out_dir, cases, len(runnable), time.perf_counter() - t0, meta)
+
+
+def write_summary(task: Task, out_dir: Path, cases: list, n_run: int, wall: float, meta: dict | None) -> dict:
+    """Summarise the rows of ``cases`` in ``out_dir/cases.jsonl`` with this run's record; write summary.json/.md."""
+    wanted = {c.id for c in cases}
+    rows = [r for r in read_done(out_dir / "cases.jsonl").values() if r["id"] in wanted]
+    summary = summarize(task, rows)
+    summary["run"] = {**(meta or {}), "cases_this_run": n_run, "wall_s_this_run": round(wall, 1)}
+    if n_run:
+        summary["run"]["cases_per_s"] = round(n_run / wall, 3)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "summary.md").write_text(task.markdown(summary, meta))
+    return summary
+
+
+__all__ = ["case_row", "error_row", "prepare", "run_task", "summarize", "write_summary"]

@@ -1,0 +1,659 @@
+"""Paper-style report of a results directory: markdown tables, a CSV of every cell, PNG plots.
+
+Cells are found as ``<model>/<task>/<split>/<policy>-b<budget>/summary.json`` (the layout of
+:mod:`pask.experiments.sweep`); a ``summary.json`` elsewhere counts when its ``run`` record names the model
+and policy (runs of ``pask eval``). Tables, one set per (model, task, split):
+
+- Table 1 (BFCL) / Table 12 (SQL): accuracy per category / difficulty for each method at one
+  target budget, Full KV as the reference row, measured B column;
+- Table 2: overall accuracy (SQL: EX) by target budget, each with its measured B;
+- Table 9: target vs measured budget per method;
+- Table 17: the PASK ablation (``pask-prefill`` / ``pask-decode`` / ``pask`` cells) when present;
+- a paired comparison of PASK with every other cell at the same budget on the cases both ran
+  (discordant counts and the exact sign test: a difference of a few cases is within noise).
+
+Plots (matplotlib, Agg): accuracy vs measured B per method with Full KV as a dashed reference
+line (Figure 3; coincident points dodged sideways, a lone budget drawn as labelled points),
+per-category bars at B ~ 0.33, and for a calibration table file the sensitivity vs distortion
+scatter of its buckets (Figure 9). The same results give byte-identical markdown and
+CSV (no timestamps, fixed order).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pask.errors import PaskError
+from pask.evaluation.case_rows import read_done
+from pask.tasks.bfcl_checker import CATEGORIES
+from pask.tasks.spider_hardness import LEVELS
+
+METHODS = {
+    "full": "Full KV",
+    "pask": "PASK",
+    "pask-prefill": "PASK (prefill only)",
+    "pask-decode": "PASK (decode only)",
+    "h2o": "H2O",
+    "snapkv": "SnapKV",
+    "mikv": "MiKV",
+    "rocketkv": "RocketKV",
+    "criticalkv": "CriticalKV",
+    "lazyeviction": "LazyEviction",
+    "kivi-4": "KIVI-4",
+    "kivi-2": "KIVI-2",
+    "kivi": "KIVI-4",
+    "static_mix": "Static mix",
+}
+GROUP_ORDER = (*CATEGORIES, *LEVELS)  # BFCL categories, then Spider difficulty levels
+COLORS = {
+    "full": "0.35",
+    "pask": "tab:red",
+    "pask-prefill": "lightcoral",
+    "pask-decode": "darkred",
+    "h2o": "tab:blue",
+    "snapkv": "tab:orange",
+    "mikv": "tab:green",
+    "rocketkv": "tab:purple",
+    "criticalkv": "tab:brown",
+    "lazyeviction": "tab:pink",
+    "kivi-4": "tab:olive",
+    "kivi-2": "goldenrod",
+    "kivi": "tab:olive",
+    "static_mix": "tab:cyan",
+}
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "h", "<", ">")
+ABLATION_ROWS = (("full", "Full KV"), ("pask-prefill", "Prefill only"), ("pask-decode", "Decode only"))
+_CELL_DIR = re.compile(r"^(?P<policy>.+)-b(?P<budget>\d+(?:\.\d+)?)$")
+
+
+@dataclass
+class CellResult:
+    """One evaluated cell: its coordinates and scores (accuracy in %, SQL: EX)."""
+
+    model: str
+    task: str
+    split: str
+    policy: str
+    budget: float | None  # target; None for Full KV
+    measured_b: float
+    n: int
+    accuracy: float | None
+    groups: dict[str, float | None] = field(default_factory=dict)  # category / difficulty -> accuracy
+    group_n: dict[str, int] = field(default_factory=dict)
+    status: str = "done"  # done | running (unfinished sweep cell)
+    n_expected: int | None = None
+    path: str = ""
+    b_prompt: float | None = None  # measured B of the prompt tokens / of the generated tokens
+    b_decode: float | None = None
+    outcomes: dict[str, bool] = field(default_factory=dict, repr=False)  # case id -> correct (cases.jsonl)
+
+    @property
+    def method(self) -> str:
+        return METHODS.get(self.policy, self.policy)
+
+    @property
+    def label(self) -> str:
+        return self.method + (" *" if self.status != "done" else "")
+
+
+def method_key(policy: str) -> tuple:
+    order = list(METHODS)
+    return (order.index(policy), "") if policy in METHODS else (len(order), policy)
+
+
+def group_key(name: str) -> tuple:
+    return (GROUP_ORDER.index(name), "") if name in GROUP_ORDER else (len(GROUP_ORDER), name)
+
+
+def _cell_key(c: CellResult) -> tuple:
+    return (c.model, c.task, c.split, method_key(c.policy), -(c.budget or 1.0), c.path)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PaskError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise PaskError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _scores(summary: dict, path: Path) -> tuple[float | None, int, dict, dict]:
+    overall = summary.get("overall")
+    if not isinstance(overall, dict) or "n" not in overall:
+        raise PaskError(f"{path}: summary without an 'overall' record")
+    acc = overall.get("accuracy", overall.get("ex"))
+    per = summary.get("categories") or summary.get("difficulties") or {}
+    groups = {g: v.get("accuracy", v.get("ex")) for g, v in per.items()}
+    return acc, int(overall["n"]), groups, {g: int(v.get("n", 0)) for g, v in per.items()}
+
+
+def read_cell(summary_path: Path, root: Path) -> CellResult | None:
+    """The cell of one ``summary.json`` (None when it is neither in the sweep layout nor self-describing)."""
+    summary = _read_json(summary_path)
+    cell_dir = summary_path.parent
+    rel = cell_dir.relative_to(root).parts
+    m = _CELL_DIR.match(cell_dir.name)
+    manifest = _read_json(cell_dir / "cell.json") if (cell_dir / "cell.json").exists() else None
+    if manifest and isinstance(manifest.get("cell"), dict):
+        c = manifest["cell"]
+        model, task, split, policy, budget = (c.get(k) for k in ("model", "task", "split", "policy", "budget"))
+    elif len(rel) >= 4 and m:
+        model, task, split = rel[-4], rel[-3], rel[-2]
+        policy, budget = m["policy"], float(m["budget"])
+    else:
+        run = summary.get("run") or {}
+        if not (run.get("model") and run.get("policy")):
+            return None
+        model, policy, budget, split = run["model"], run["policy"], run.get("budget"), run.get("split", "?")
+        task = run.get("task") or ("sql" if "difficulties" in summary else "bfcl")
+    if policy == "full":
+        budget = None
+    acc, n, groups, group_n = _scores(summary, summary_path)
+    status, expected = "done", None
+    if manifest:
+        status = "done" if manifest.get("status") == "done" else "running"
+        expected = manifest.get("n_cases")
+    return CellResult(
+        model=str(model),
+        task=str(task),
+        split=str(split),
+        policy=str(policy),
+        budget=None if budget is None else float(budget),
+        measured_b=float(summary.get("measured_b", 1.0)),
+        n=n,
+        accuracy=acc,
+        groups=groups,
+        group_n=group_n,
+        status=status,
+        n_expected=expected,
+        path=str(cell_dir.relative_to(root)),
+        b_prompt=summary.get("measured_b_prompt"),
+        b_decode=summary.get("measured_b_decode"),
+        outcomes=_outcomes(cell_dir / "cases.jsonl"),
+    )
+
+
+def _outcomes(jsonl: Path) -> dict[str, bool]:
+    """Case id -> correct, from a cell's per-case rows (empty when there are none)."""
+    rows = read_done(jsonl, key=lambda r: r.get("id") if isinstance(r, dict) else None)
+    return {str(i): bool(r["correct"]) for i, r in rows.items() if i is not None and "correct" in r}
+
+
+def collect(results_dir: Path | str) -> list[CellResult]:
+    """Every cell under ``results_dir``, in report order."""
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise PaskError(f"results directory {root} does not exist")
+    cells = []
+    for path in sorted(root.rglob("summary.json")):
+        if "shards" in path.relative_to(root).parts:
+            continue
+        cell = read_cell(path, root)
+        if cell is not None:
+            cells.append(cell)
+    if not cells:
+        raise PaskError(
+            f"no result cells under {root} (expected <model>/<task>/<split>/<policy>-b<budget>/summary.json, "
+            "as written by `pask sweep`)"
+        )
+    return sorted(cells, key=_cell_key)
+
+
+# -- tables ----------------------------------------------------------------------------------------
+def _f(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _head(cells: list[str], right_from: int = 1) -> list[str]:
+    return [_row(cells), "|" + "|".join("---" if i < right_from else "---:" for i in range(len(cells))) + "|"]
+
+
+TASK_NAMES = {"bfcl": "BFCL", "sql": "Text-to-SQL"}
+
+
+def _metric(task: str) -> str:
+    return "EX (%)" if task == "sql" else "accuracy (%)"
+
+
+def _task(task: str) -> str:
+    return TASK_NAMES.get(task, task)
+
+
+def _groups_of(cells: list[CellResult]) -> list[str]:
+    return sorted({g for c in cells for g in c.groups}, key=group_key)
+
+
+def _budgets(cells: list[CellResult]) -> list[float]:
+    return sorted({c.budget for c in cells if c.budget is not None}, reverse=True)
+
+
+def _at(cells: list[CellResult], policy: str, budget: float | None) -> CellResult | None:
+    for c in cells:
+        if c.policy != policy:
+            continue
+        if c.budget == budget or (budget is not None and c.budget is not None and abs(c.budget - budget) < 1e-9):
+            return c
+    return None
+
+
+def _full(cells: list[CellResult]) -> CellResult | None:
+    return next((c for c in cells if c.policy == "full"), None)
+
+
+def _methods(cells: list[CellResult]) -> list[str]:
+    """The compared methods (not Full KV, not the PASK ablation variants) in paper order."""
+    skip = {"full", "pask-prefill", "pask-decode"}
+    return sorted({c.policy for c in cells if c.policy not in skip}, key=method_key)
+
+
+def table_per_group(cells: list[CellResult], budget: float | None) -> list[str]:
+    """Table 1 (BFCL categories) / Table 12 (SQL difficulties) at one target budget (None: Full KV only)."""
+    c0 = cells[0]
+    groups = _groups_of(cells)
+    number, what = ("12", "EX (%) by difficulty") if c0.task == "sql" else ("1", "accuracy (%) by category")
+    at = "Full KV" if budget is None else f"B = {budget:g}"
+    title = f"Table {number} — {_task(c0.task)} {what}, {at} ({c0.model}, {c0.split} split)"
+    head = ["Method", "B", *[g.replace("_", " ").capitalize() for g in groups], "Overall", "n"]
+    lines = [f"### {title}", "", *_head(head)]
+    rows = [_full(cells)] + ([_at(cells, p, budget) for p in _methods(cells)] if budget is not None else [])
+    for c in [r for r in rows if r is not None]:
+        accs = [_f(c.groups.get(g)) for g in groups]
+        lines.append(_row([c.label, _f(c.measured_b, 3), *accs, _f(c.accuracy), str(c.n)]))
+    return lines
+
+
+def table_by_budget(cells: list[CellResult]) -> list[str]:
+    """Table 2: overall accuracy (SQL: EX) per method and target budget, measured B in parentheses."""
+    c0 = cells[0]
+    budgets = _budgets(cells)
+    title = f"Table 2 — {_task(c0.task)} {_metric(c0.task)} by budget ({c0.model}, {c0.split} split)"
+    lines = [f"### {title}", ""]
+    if full := _full(cells):
+        lines += [f"Full KV: {_f(full.accuracy)} (B = {_f(full.measured_b, 3)}, n = {full.n}).", ""]
+    lines += _head(["Method", *[f"B = {b:g}" for b in budgets]])
+    for p in _methods(cells):
+        row = [METHODS.get(p, p)]
+        for b in budgets:
+            c = _at(cells, p, b)
+            mark = " *" if c is not None and c.status != "done" else ""
+            row.append("–" if c is None else f"{_f(c.accuracy)} ({_f(c.measured_b, 3)}){mark}")
+        lines.append(_row(row))
+    lines += ["", f"Cells: {_metric(c0.task).split(' ')[0]} (measured B)."]
+    return lines
+
+
+def table_budgets(cells: list[CellResult]) -> list[str]:
+    """Table 9: target vs measured budget per method."""
+    c0 = cells[0]
+    budgets = _budgets(cells)
+    lines = [f"### Table 9 — target vs measured budget B ({c0.model}, {_task(c0.task)}, {c0.split} split)", ""]
+    lines += _head(["Method", *[f"target {b:g}" for b in budgets], "max abs. deviation"])
+    for p in _methods(cells):
+        row, devs = [METHODS.get(p, p)], []
+        for b in budgets:
+            c = _at(cells, p, b)
+            row.append("–" if c is None else _f(c.measured_b, 3))
+            if c is not None:
+                devs.append(abs(c.measured_b - b))
+        row.append(_f(max(devs), 3) if devs else "–")
+        lines.append(_row(row))
+    return lines
+
+
+def table_ablation(cells: list[CellResult], budget: float) -> list[str]:
+    """Table 17: PASK on the prompt only / on generated tokens only / on both, at one budget."""
+    c0 = cells[0]
+    groups = _groups_of(cells)
+    lines = [f"### Table 17 — PASK ablation at B = {budget:g} ({c0.model}, {_task(c0.task)}, {c0.split} split)", ""]
+    lines += _head(["Variant", "B_P", "B_D", "B", *[g.replace("_", " ").capitalize() for g in groups], "Overall"])
+    for policy, name in (*ABLATION_ROWS, ("pask", "Prefill + decode (PASK)")):
+        c = _full(cells) if policy == "full" else _at(cells, policy, budget)
+        if c is not None:
+            accs = [_f(c.groups.get(g)) for g in groups]
+            mark = " *" if c.status != "done" else ""
+            bs = [_f(c.b_prompt, 3), _f(c.b_decode, 3), _f(c.measured_b, 3)]
+            lines.append(_row([name + mark, *bs, *accs, _f(c.accuracy)]))
+    return lines
+
+
+def sign_test_p(only_a: int, only_b: int) -> float:
+    """Two-sided exact sign test (McNemar's exact test) on the discordant pairs of a paired comparison."""
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def table_paired(cells: list[CellResult], budget: float, ref: str = "pask") -> list[str]:
+    """PASK against every other cell at one budget (and Full KV) on the cases both ran, case by case."""
+    base = _at(cells, ref, budget)
+    if base is None or not base.outcomes:
+        return []
+    c0 = cells[0]
+    title = f"### Paired comparison with PASK at B = {budget:g} ({c0.model}, {_task(c0.task)}, {c0.split} split)"
+    lines = [title, ""]
+    lines += _head(["Method", "n", "PASK only right", "method only right", "both right", "both wrong", "sign test p"])
+    others = [_full(cells), *[_at(cells, m, budget) for m in _methods(cells) if m != ref]]
+    others += [_at(cells, p, budget) for p in ("pask-prefill", "pask-decode")]
+    for c in others:
+        if c is None or not c.outcomes:
+            continue
+        ids = sorted(set(base.outcomes) & set(c.outcomes))
+        a = sum(base.outcomes[i] and not c.outcomes[i] for i in ids)
+        b = sum(c.outcomes[i] and not base.outcomes[i] for i in ids)
+        both = sum(base.outcomes[i] and c.outcomes[i] for i in ids)
+        name = f"{c.method} (B = {_f(c.measured_b, 3)})"
+        lines.append(
+            _row(
+                [name, str(len(ids)), str(a), str(b), str(both), str(len(ids) - a - b - both), _f(sign_test_p(a, b), 3)]
+            )
+        )
+    return lines
+
+
+def by_setting(cells: list[CellResult]) -> dict[tuple[str, str, str], list[CellResult]]:
+    out: dict[tuple[str, str, str], list[CellResult]] = {}
+    for c in cells:
+        out.setdefault((c.model, c.task, c.split), []).append(c)
+    return out
+
+
+def markdown(cells: list[CellResult], plots: dict[str, str] | None = None) -> str:
+    """The whole report as markdown (``plots``: setting title -> relative PNG path, linked below it)."""
+    lines = ["# pask results", ""]
+    for (model, task, split), group in by_setting(cells).items():
+        lines += [f"## {model} · {_task(task)} · {split} split", ""]
+        budgets = _budgets(group)
+        for b in budgets:
+            lines += [*table_per_group(group, b), ""]
+        if not budgets:
+            lines += [*table_per_group(group, None), ""]
+        else:
+            lines += [*table_by_budget(group), "", *table_budgets(group), ""]
+        for b in budgets:
+            if any(_at(group, p, b) for p in ("pask-prefill", "pask-decode")):
+                lines += [*table_ablation(group, b), ""]
+        for b in budgets:
+            if paired := table_paired(group, b):
+                lines += [*paired, ""]
+        for name, rel in sorted((plots or {}).items()):
+            if name.startswith(f"{model}/{task}/{split}/"):
+                lines += [f"![{name.rsplit('/', 1)[1][2:].replace('-', ' ')}]({rel})", ""]
+        if unfinished := [c for c in group if c.status != "done"]:
+            lines += ["\\* unfinished cell: " + ", ".join(f"{c.path} ({c.n}/{c.n_expected})" for c in unfinished), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def csv_text(cells: list[CellResult]) -> str:
+    """One row per cell (accuracy columns per category / difficulty: ``acc:<name>``)."""
+    groups = _groups_of(cells)
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(
+        ["model", "task", "split", "policy", "target_budget", "measured_b", "n", "accuracy", "status", "path"]
+        + [f"acc:{g}" for g in groups]
+    )
+    for c in cells:
+        target = "1" if c.budget is None else f"{c.budget:g}"
+        accs = ["" if c.groups.get(g) is None else f"{c.groups[g]:.2f}" for g in groups]
+        acc = "" if c.accuracy is None else f"{c.accuracy:.2f}"
+        coords = [c.model, c.task, c.split, c.policy, target]
+        w.writerow([*coords, f"{c.measured_b:.4f}", c.n, acc, c.status, c.path, *accs])
+    return buf.getvalue()
+
+
+# -- plots -----------------------------------------------------------------------------------------
+@dataclass
+class Plot:
+    """A written PNG and the names of the series drawn in it (legend order)."""
+
+    path: Path
+    series: list[str]
+
+
+def _figure(width: float = 6.4, height: float = 4.2):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=120)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+
+
+def clusters(points: list[tuple[float, float]], x_tol: float, y_tol: float) -> list[list[int]]:
+    """Groups of points that would draw on top of each other (chained within ``x_tol`` and ``y_tol``).
+
+    Each group lists point indices in input order; groups come in the order of their first point.
+    """
+    root = list(range(len(points)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for i, (xi, yi) in enumerate(points):
+        for j in range(i + 1, len(points)):
+            xj, yj = points[j]
+            if abs(xi - xj) <= x_tol and abs(yi - yj) <= y_tol:
+                root[find(j)] = find(i)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(points)):
+        groups.setdefault(find(i), []).append(i)
+    return list(groups.values())
+
+
+def dodge(points: list[tuple[float, float]], x_tol: float, y_tol: float, step: float) -> list[float]:
+    """x offsets that spread coincident points side by side: ``step`` apart, centred on the group.
+
+    A point with no neighbour keeps offset 0; a group of k gets ``(i - (k - 1) / 2) * step`` in input order.
+    """
+    offsets = [0.0] * len(points)
+    for group in clusters(points, x_tol, y_tol):
+        for rank, i in enumerate(group):
+            offsets[i] = (rank - (len(group) - 1) / 2) * step
+    return offsets
+
+
+def y_headroom(top_value: float) -> float:
+    """The y-axis top for a plot whose highest value is ``top_value`` (%): room above the Full KV line."""
+    top = top_value + max(4.0, 0.15 * top_value)
+    if top_value <= 100 < top:
+        top = max(top_value + 4.0, 104.0)
+    return top
+
+
+def plot_accuracy_vs_budget(cells: list[CellResult], path: Path) -> Plot:
+    """Figure 3: overall accuracy vs measured B, one curve per method; Full KV as a dashed reference line.
+
+    Methods with several budgets draw curves, a method with one budget draws a labelled point.
+    Points that would hide each other are dodged sideways by a little B (``dodge``) and every
+    method has its own marker; the y axis leaves room above the reference line.
+    """
+    c0 = cells[0]
+    fig = _figure(7.4, 4.4)
+    ax = fig.add_subplot()
+    series, tops = [], [0.0]
+    if (full := _full(cells)) is not None and full.accuracy is not None:
+        ax.axhline(
+            full.accuracy, color="0.15", linestyle=(0, (6, 3)), linewidth=1.6, zorder=1,
+            label=f"Full KV ({full.accuracy:.1f})",
+        )  # fmt: skip
+        series.append("Full KV")
+        tops.append(full.accuracy)
+    curves = []
+    for i, p in enumerate(_methods(cells)):
+        pts = sorted((c.measured_b, c.accuracy) for c in cells if c.policy == p and c.accuracy is not None)
+        if pts:
+            curves.append((p, MARKERS[i % len(MARKERS)], pts))
+    if not curves and not series:
+        raise PaskError(f"nothing to plot for {c0.model} / {c0.task} / {c0.split}")
+    flat = [(p, k, xy) for p, _, pts in curves for k, xy in enumerate(pts)]
+    points = [xy for _, _, xy in flat]
+    top = y_headroom(max([*tops, *(y for _, y in points)]))
+    x_tol, y_tol = 0.012, 0.012 * top
+    shift = dict(zip([(p, k) for p, k, _ in flat], dodge(points, x_tol, y_tol, step=0.02), strict=True))
+    for p, marker, pts in curves:
+        name = METHODS.get(p, p)
+        xs = [x + shift[(p, k)] for k, (x, _) in enumerate(pts)]
+        ys = [y for _, y in pts]
+        style = {"marker": marker, "markersize": 7, "markeredgewidth": 1.4, "color": COLORS.get(p), "label": name}
+        if len(pts) > 1:
+            ax.plot(xs, ys, linewidth=2.2 if p == "pask" else 1.3, fillstyle="none", **style)
+        else:
+            ax.plot(xs, ys, linestyle="none", fillstyle="none", **style)
+        series.append(name)
+    lone = {p for p, _, pts in curves if len(pts) == 1}
+    for group in clusters(points, x_tol, y_tol):  # label the lone points beside their group, stacked
+        labelled = [i for i in group if flat[i][0] in lone]
+        if not labelled:
+            continue
+        xs = [points[i][0] + shift[flat[i][:2]] for i in group]
+        y_mid = sum(points[i][1] for i in group) / len(group)
+        right = max(xs) < 0.75
+        for rank, i in enumerate(sorted(labelled, key=lambda i: -points[i][1])):
+            p, _, (_, y) = flat[i]
+            ax.annotate(
+                f"{METHODS.get(p, p)} {y:.1f}",
+                (max(xs) if right else min(xs), y_mid),
+                xytext=(10 if right else -10, 5.5 * (len(labelled) - 1) - 11 * rank),
+                textcoords="offset points", ha="left" if right else "right", va="center", fontsize=7.5,
+                color=COLORS.get(p) or "black", bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"},
+            )  # fmt: skip
+    ax.set_xlim(0, 1.05)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured KV budget B")
+    ax.set_ylabel(_metric(c0.task))
+    ax.set_title(f"{c0.model} · {_task(c0.task)} · {c0.split}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _save(fig, path)
+    return Plot(path, series)
+
+
+def plot_category_bars(cells: list[CellResult], path: Path, budget: float = 0.33, tol: float = 0.05) -> Plot | None:
+    """Per-category accuracy at the target budget nearest ``budget`` (within ``tol``), one bar per method.
+
+    Returns None when no method has a cell near ``budget``.
+    """
+    near = [b for b in _budgets(cells) if abs(b - budget) <= tol + 1e-12]
+    if not near:
+        return None
+    b = min(near, key=lambda x: (abs(x - budget), -x))
+    rows = [c for c in [_full(cells)] + [_at(cells, p, b) for p in _methods(cells)] if c is not None]
+    groups = _groups_of(rows)
+    if not groups:
+        return None
+    fig = _figure(max(6.4, 1.2 * len(groups) + 2), 4.2)
+    ax = fig.add_subplot()
+    width = 0.8 / len(rows)
+    for i, c in enumerate(rows):
+        xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(groups))]
+        ys = [c.groups.get(g) or 0.0 for g in groups]
+        ax.bar(xs, ys, width=width, label=c.method, color=COLORS.get(c.policy))
+    ax.set_xticks(range(len(groups)), [g.replace("_", " ") for g in groups])
+    ax.set_ylabel(_metric(rows[0].task))
+    ax.set_title(f"{rows[0].model} · {_task(rows[0].task)} · {rows[0].split} · B ≈ {b:g}")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    return Plot(path, [c.method for c in rows])
+
+
+def plot_sensitivity_vs_distortion(table_path: Path | str, path: Path) -> Plot:
+    """Figure 9: per calibrated bucket and action, task-error sensitivity V vs attention distortion D."""
+    table_path = Path(table_path)
+    if not table_path.is_file():
+        raise PaskError(f"table file {table_path} does not exist")
+    data = _read_json(table_path)
+    buckets = (data.get("calibration") or {}).get("buckets")
+    if not isinstance(buckets, list):
+        raise PaskError(f"{table_path}: no calibration.buckets (a table written by `pask calibrate`)")
+    fig = _figure()
+    ax = fig.add_subplot()
+    series = []
+    for action, name, color in (("L", "L (INT4)", "tab:blue"), ("R", "R (release)", "tab:red")):
+        pts = []
+        for b in buckets:
+            v, d = (b.get("V") or {}).get(action), (b.get("D") or {}).get(action)
+            if isinstance(v, int | float) and isinstance(d, int | float) and math.isfinite(v) and math.isfinite(d):
+                pts.append((d, v))
+        if pts:
+            ax.scatter([d for d, _ in pts], [v for _, v in pts], s=18, alpha=0.75, color=color, label=name)
+            series.append(name)
+    if not series:
+        raise PaskError(f"{table_path}: no bucket has finite V and D values for L or R")
+    ax.set_xlabel("attention-output distortion D (relative L2)")
+    ax.set_ylabel("task-error sensitivity V (accuracy drop)")
+    ax.set_title(f"calibration: {data.get('model', {}).get('name', '?')} · {data.get('task', '?')}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    return Plot(path, series)
+
+
+# -- the report ------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    """What :func:`write_report` wrote."""
+
+    markdown: Path
+    csv: Path
+    plots: list[Plot]
+    cells: list[CellResult]
+
+
+def _slug(*parts: str) -> str:
+    return "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", p) for p in parts)
+
+
+def write_report(
+    results_dir: Path | str,
+    out: Path | str | None = None,
+    tables: list[Path] | None = None,
+    bars_budget: float = 0.33,
+) -> Report:
+    """Write ``report.md``, ``cells.csv`` and the plots to ``out`` (default ``results_dir/report``)."""
+    if not 0 < bars_budget <= 1:
+        raise PaskError(f"--bars-budget must be in (0, 1], got {bars_budget}")
+    cells = collect(results_dir)
+    out = Path(out) if out is not None else Path(results_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots: list[Plot] = []
+    links: dict[str, str] = {}
+    for (model, task, split), group in by_setting(cells).items():
+        key = f"{model}/{task}/{split}/"
+        plot = plot_accuracy_vs_budget(group, out / f"fig3-{_slug(model, task, split)}.png")
+        plots.append(plot)
+        links[key + "1-accuracy-vs-budget"] = plot.path.name
+        if bars := plot_category_bars(group, out / f"bars-{_slug(model, task, split)}.png", bars_budget):
+            plots.append(bars)
+            links[key + "2-categories"] = bars.path.name
+    text = markdown(cells, links)
+    for i, table in enumerate(tables or []):
+        plot = plot_sensitivity_vs_distortion(table, out / f"fig9-{i}-{_slug(Path(table).stem)}.png")
+        plots.append(plot)
+        text += f"\n## Calibration: {Path(table).name}\n\n![sensitivity vs distortion]({plot.path.name})\n"
+    (out / "report.md").write_text(text)
+    (out / "cells.csv").write_text(csv_text(cells))
+    return Report(out / "report.md", out / "cells.csv", plots, cells)

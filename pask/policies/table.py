@@ -1,0 +1,184 @@
+"""FrozenTable: the versioned calibration table file (bucket -> action) the PASK policy looks up.
+
+File format (JSON, ``format_version`` 1)::
+
+    {
+      "format_version": 1,
+      "model": {"name": "qwen2.5-coder-0.5b", "fingerprint": "qwen2-L24-H896:1d9614638d18"},
+      "task": "bfcl",
+      "num_groups": 4,
+      "recent_window": 8,
+      "target_b": 0.33,
+      "expected_b": 0.318,
+      "tolerances": {"alpha_D": 0.05, "alpha_P": 0.02},
+      "default_action": "H",
+      "actions": {"P|schema_scaffold|g0": "R", "D|pure_scaffold|scaffold_separator|boundary|no_lookahead|g3": "L", ...},
+      "calibration": {...}
+    }
+
+``actions`` maps ``str(Bucket)`` (see :class:`pask.structure.tags.Bucket`) to ``"H"``, ``"L"`` or
+``"R"``. A token whose bucket is not listed -- a tag or label never seen (or too rare to
+measure) on the calibration split, or a token without a tag -- gets ``default_action``, which
+is ``"H"`` unless the calibration chose otherwise: what was not measured is protected.
+``calibration`` is free-form metadata (cases, split, wall time, sensitivity / distortion values,
+solver trace). A table is tied to the model it was calibrated on: :func:`load` refuses another
+model's fingerprint unless ``allow_transfer=True`` (paper Table 4, "calibration transfer"), in
+which case the mismatch is recorded in :attr:`FrozenTable.warnings`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings as _warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pask.errors import PaskError
+from pask.kv.actions import Action
+from pask.structure.tags import Bucket
+
+FORMAT_VERSION = 1
+ACTION_NAMES = ("H", "L", "R")
+
+
+def parse_action(name: str) -> Action:
+    """``"H"`` / ``"L"`` / ``"R"`` -> :class:`Action` (PaskError otherwise)."""
+    if name not in ACTION_NAMES:
+        raise PaskError(f"bad action '{name}' in table: expected one of H, L, R")
+    return Action[name]
+
+
+@dataclass
+class FrozenTable:
+    """Per-bucket actions for one model and task; see the module docstring for the file format."""
+
+    actions: dict[str, str]
+    fingerprint: str
+    task: str = "bfcl"
+    num_groups: int = 4
+    recent_window: int = 8
+    target_b: float | None = None
+    alpha_d: float = 0.05
+    alpha_p: float = 0.02
+    default_action: str = "H"
+    model_name: str | None = None
+    expected_b: float | None = None
+    calibration: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    warnings: list[str] = field(default_factory=list)  # not saved: set by load(allow_transfer=True)
+
+    def __post_init__(self) -> None:
+        parse_action(self.default_action)
+        if self.num_groups < 1 or self.recent_window < 0:
+            raise PaskError(f"bad table: num_groups {self.num_groups}, recent_window {self.recent_window}")
+        for key, act in self.actions.items():
+            parse_action(act)
+            try:
+                b = Bucket.parse(key)
+            except (ValueError, KeyError) as e:
+                raise PaskError(f"bad bucket '{key}' in table: {e}") from None
+            if not 0 <= b.group < self.num_groups:
+                raise PaskError(f"bucket '{key}' names group {b.group} but the table has {self.num_groups} groups")
+
+    def action(self, bucket: Bucket | str) -> Action:
+        """Action of a bucket (the default action when the table does not list it)."""
+        return parse_action(self.actions.get(str(bucket), self.default_action))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "model": {"name": self.model_name, "fingerprint": self.fingerprint},
+            "task": self.task,
+            "num_groups": self.num_groups,
+            "recent_window": self.recent_window,
+            "target_b": self.target_b,
+            "expected_b": self.expected_b,
+            "tolerances": {"alpha_D": self.alpha_d, "alpha_P": self.alpha_p},
+            "default_action": self.default_action,
+            "actions": dict(sorted(self.actions.items())),
+            "calibration": self.calibration,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FrozenTable:
+        try:
+            version = data["format_version"]
+            if version != FORMAT_VERSION:
+                raise PaskError(
+                    f"table format_version {version} is not supported (this pask reads version {FORMAT_VERSION}); "
+                    "recalibrate with `pask calibrate`"
+                )
+            tol = data.get("tolerances", {})
+            model = data.get("model", {})
+            return cls(
+                actions=dict(data["actions"]),
+                fingerprint=model["fingerprint"],
+                model_name=model.get("name"),
+                task=data["task"],
+                num_groups=int(data["num_groups"]),
+                recent_window=int(data["recent_window"]),
+                target_b=data.get("target_b"),
+                expected_b=data.get("expected_b"),
+                alpha_d=float(tol.get("alpha_D", 0.05)),
+                alpha_p=float(tol.get("alpha_P", 0.02)),
+                default_action=data.get("default_action", "H"),
+                calibration=data.get("calibration", {}),
+                format_version=version,
+            )
+        except (KeyError, TypeError) as e:
+            raise PaskError(f"bad table file: missing or malformed field {e}") from None
+
+    def save(self, path: Path | str) -> Path:
+        """Write the table as JSON (atomically: a temp file renamed over ``path``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+
+def load(path: Path | str, fingerprint: str | None = None, allow_transfer: bool = False) -> FrozenTable:
+    """Read a table file; check the format version and (when given) the model fingerprint.
+
+    A table calibrated on another model (``fingerprint`` differs) raises :class:`PaskError`
+    unless ``allow_transfer`` is true; then the table is returned with a warning in
+    ``table.warnings`` (and a Python ``UserWarning``).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PaskError(f"table file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise PaskError(f"table file {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise PaskError(f"table file {path} does not hold a JSON object")
+    table = FrozenTable.from_json(data)
+    if fingerprint is not None and table.fingerprint != fingerprint:
+        msg = (
+            f"table {path} was calibrated on model {table.model_name or '?'} ({table.fingerprint}), "
+            f"not on this model ({fingerprint})"
+        )
+        if not allow_transfer:
+            raise PaskError(msg + "; recalibrate, or allow calibration transfer explicitly")
+        table.warnings.append("calibration transfer: " + msg)
+        _warnings.warn(table.warnings[-1], UserWarning, stacklevel=2)
+    return table
+
+
+#: The committed tables shipped with the package (``pask/tables/*.json``; package data).
+TABLES_DIR = Path(__file__).resolve().parents[1] / "tables"
+DEFAULT_TASKS = ("bfcl", "sql")  # tasks with default tables (``bfcl4``'s table is an experiment, not a default)
+
+
+def default_table(model: str, task: str, budget: float) -> Path | None:
+    """The committed table shipped in ``pask/tables`` for an embedded model name (e.g.
+    ``"qwen2.5-coder-0.5b"``), a task (``"bfcl"`` or ``"sql"``) and a budget: the file
+    ``{model}-{task}-b{budget:g}.json`` (e.g. ``qwen2.5-coder-0.5b-bfcl-b0.33.json``), or None if
+    there is none (another model, task or budget)."""
+    if task not in DEFAULT_TASKS or not model or "/" in model or "\\" in model:
+        return None
+    path = TABLES_DIR / f"{model}-{task}-b{float(budget):g}.json"
+    return path if path.is_file() else None

@@ -1,0 +1,45 @@
+"""Static batches: every request of a batch admitted at once into the one decode core.
+
+:func:`generate` is the entry point of the offline runners' static batching, the calibration
+runs and ``pask generate``; it decodes through :meth:`pask.runtime.scheduler.Scheduler.step` like
+every other path. :class:`Request` and :class:`Generation` live in :mod:`pask.runtime.tokens`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from pask.kv.cache import CacheConfig
+from pask.policies.full import FullPolicy
+from pask.runtime.models import LoadedModel
+from pask.runtime.scheduler import Job, Scheduler
+from pask.runtime.tokens import Generation, Request
+
+__all__ = ["Generation", "Request", "generate"]
+
+
+def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config=None) -> list[Generation]:
+    """Greedy-decode a static batch: every request admitted at once, each stopping on grammar
+    completion, EOS or length; results in request order.
+
+    One :class:`~pask.runtime.scheduler.Scheduler` step function decodes it, as it decodes
+    continuous batches and the server's requests: each prompt is prefilled alone and every row's
+    arithmetic is independent of its batch-mates, so a request gets the same tokens in any batch.
+    ``policy`` (``None``: Full KV, the ``full`` policy on the tiered cache) is copied for each
+    request, so it must be unused.
+    """
+    if not requests:
+        return []
+    base = policy if policy is not None else FullPolicy()
+    jobs = [Job(id=str(i), request=r) for i, r in enumerate(requests)]
+    sch = Scheduler(lm, lambda: copy.deepcopy(base), cache_config=cache_config or CacheConfig(), max_batch=len(jobs))
+    try:
+        for job in jobs:
+            sch.submit(job)
+        sch.run_until_idle()
+    finally:
+        sch.close()
+    for job in jobs:
+        if job.result is None:
+            raise RuntimeError(f"request {job.id} ended without a result ({job.stop}: {job.error})")
+    return [job.result for job in jobs]

@@ -1,0 +1,178 @@
+"""The token rules of the decode core: requests and generations, greedy choice under the grammar
+(masks, closing phase), recording a token and its stop reason, the masked head's plan.
+
+:class:`pask.runtime.scheduler.Scheduler` applies them in its step; :func:`pask.runtime.engine.generate`
+(static batches) and every other decode path go through that step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pask.structure.constraint import Constraint, apply_mask
+
+
+@dataclass
+class Request:
+    """One generation request: prompt token ids and an optional grammar constraint."""
+
+    prompt_ids: list[int]
+    constraint: Constraint | None = None
+    max_new_tokens: int = 256
+    parse: Callable[[str], Any] | None = None  # task parser for the final text
+    close_margin: int = 128  # last tokens of the allowance spent closing the structure (see closing_tokens)
+    tagger: Any = None  # structural tagger: ``step(token_bytes) -> Tag`` (JsonCallTagger, SqlTagger)
+    prompt_labels: list | None = None  # semantic label per prompt token (for policies and --save-tags)
+
+
+@dataclass
+class Generation:
+    """Result of one request."""
+
+    text: str
+    token_ids: list[int]
+    prompt_len: int
+    stop_reason: str  # grammar | eos | length
+    prefill_ms: float
+    tpot_ms: float  # decode time per step of its batch
+    parsed: Any = None
+    parse_error: str | None = None
+    extra: dict = field(default_factory=dict)  # tags, budget
+
+
+_NOTHING = torch.empty(0, dtype=torch.long)
+
+
+def plan_head(head, requests: list[Request], live: list[bool], bitmask: torch.Tensor, vocab: int) -> None:
+    """Fill the next step's masks of the live constrained rows and give ``head`` their allowed tokens.
+
+    The masks are filled one row after another: llguidance's parallel fill (``LLExecutor``) was slower
+    in paired served runs on 2 cores (its threads compete with the decode thread's OpenMP worker)."""
+    from pask.runtime.masked_head import allowed_tokens
+
+    plan: list[torch.Tensor | None] = []
+    for i, r in enumerate(requests):
+        if not live[i]:
+            plan.append(_NOTHING)  # a finished row still in the batch needs no logits
+        elif r.constraint is not None:
+            r.constraint.mask(bitmask, i)
+            plan.append(allowed_tokens(bitmask[i], vocab))
+        else:
+            plan.append(None)
+    head.plan = plan
+
+
+def pick_tokens(
+    logits: torch.Tensor,
+    requests: list[Request],
+    generated: list[list[int]],
+    live: list[bool],
+    bitmask: torch.Tensor,
+    closers: torch.Tensor,
+    masked: bool | list[bool] = False,
+) -> list[int]:
+    """Greedy next token of each row under its grammar (``bitmask`` from ``allocate_mask``, >= rows).
+
+    ``masked``: ``bitmask`` already holds the live constrained rows' masks for this step (one flag
+    for all rows, or one per row).
+
+    A live row in its closing phase (the last ``close_margin`` tokens of its allowance) takes the
+    first legal token of ``closers`` instead (see :func:`closing_tokens`). Rows that are not live get
+    an unconstrained argmax (ignored by the caller).
+    """
+    logits = logits.float()
+    fresh = masked if isinstance(masked, list) else [masked] * len(requests)
+    for i, r in enumerate(requests):
+        if r.constraint is not None and live[i]:
+            if not fresh[i]:
+                r.constraint.mask(bitmask, i)
+        else:
+            bitmask[i].fill_(-1)
+    apply_mask(logits, bitmask[: len(requests)])
+    nxt = logits.argmax(-1).tolist()
+    for i, r in enumerate(requests):  # near the token limit: close the structure, don't truncate
+        closing = len(generated[i]) >= r.max_new_tokens - r.close_margin
+        if live[i] and r.constraint is not None and closing:
+            last2 = generated[i][-2:]
+            for k in torch.isfinite(logits[i, closers]).nonzero()[:, 0].tolist():
+                c = int(closers[k])
+                if last2 != [c, c]:  # never a third time in a row (SQL allows endless newlines)
+                    nxt[i] = c
+                    break
+    return nxt
+
+
+def accept_token(r: Request, t: int, generated: list[int], tags: list, eos: set[int], token_bytes) -> str | None:
+    """Record token ``t`` of request ``r`` (tagger, grammar); return its stop reason, or None to go on.
+
+    EOS stops without being recorded; ``generated`` and ``tags`` are extended in place.
+    """
+    if t in eos:
+        return "eos"
+    generated.append(t)
+    if r.tagger is not None:
+        tags.append(r.tagger.step(token_bytes([t])))
+    if r.constraint is not None:
+        r.constraint.consume(t)
+        if r.constraint.is_done():
+            return "grammar"
+    if len(generated) >= r.max_new_tokens:
+        return "length"
+    return None
+
+
+def make_generation(
+    tok, r: Request, generated: list[int], tags: list, stop: str | None, prefill_ms: float, tpot_ms: float, budget=None
+) -> Generation:
+    """The :class:`Generation` of a finished request (text decoded, parsed by its task parser)."""
+    text = tok.decode(generated, skip_special_tokens=False)
+    g = Generation(text, generated, len(r.prompt_ids), stop or "length", prefill_ms, tpot_ms)
+    if r.tagger is not None:
+        g.extra["tags"] = tags
+    if budget is not None:
+        g.extra["budget"] = budget
+    if r.parse is not None:
+        try:
+            g.parsed = r.parse(text)
+        except Exception as e:  # the task decides what a parse failure means
+            g.parse_error = str(e)
+    return g
+
+
+# Closing tokens in the order tried (after EOS and the call-closing marker): quote-first ones
+# before bare brackets, so an open string is closed rather than filled with bracket text; then
+# SQL's closers (a parenthesis, a single-quoted literal's end). The same closer is not taken a
+# third time in a row: a newline is legal almost everywhere in SQL and would loop.
+CLOSER_TEXTS = ("\n", '"}}', '"}', '"]', '"', "]}}", "]}", "}}", "]", "}", ")", "'")
+
+
+def closing_tokens(tok, eos: set[int]) -> torch.Tensor:
+    """Tokens that end a value or a structure (plus EOS and the call-closing marker).
+
+    A request that reaches ``max_new_tokens - close_margin`` takes the first legal one in this
+    order (the grammar mask still applies): a small model stuck repeating inside one value
+    (endless digits, list items, a string) then finishes a valid call instead of being cut off.
+    """
+    ids = sorted(eos)
+    close = tok.convert_tokens_to_ids("</tool_call>")
+    if isinstance(close, int) and close != tok.unk_token_id:
+        ids.append(close)
+    for text in CLOSER_TEXTS:
+        enc = tok(text, add_special_tokens=False)["input_ids"]
+        if len(enc) == 1 and enc[0] not in ids:
+            ids.append(enc[0])
+    return torch.tensor(ids)
+
+
+def eos_ids(tok) -> list[int]:
+    """Token ids that end an assistant turn (EOS plus the chat end-of-turn token)."""
+    ids = {tok.eos_token_id}
+    for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tok.convert_tokens_to_ids(name)
+        if isinstance(tid, int) and tid != tok.unk_token_id and tid is not None:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)

@@ -1,0 +1,177 @@
+"""Text-to-SQL (Spider dev) as a :class:`~pask.tasks.base.Task` (``pask eval sql``; paper Table 12 layout).
+
+A case's prompt is its database's schema as DDL plus the question, through the chat template
+(:mod:`pask.tasks.sql_prompt`); decoding is constrained by that database's SELECT grammar
+(:mod:`pask.structure.sql_grammar`); the generated query is scored by execution accuracy on a
+read-only connection with a 30 s timeout (:mod:`pask.tasks.sql_exec`, BIRD's rule). Summaries
+give EX per Spider difficulty (easy / medium / hard / extra) and overall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pask.errors import PaskError
+from pask.structure.prompt_labels import label_sql_prompt
+from pask.structure.sql_grammar import sql_grammar
+from pask.structure.sql_schema import Schema
+from pask.structure.sql_tagger import SqlTagger
+from pask.tasks.base import Output, Task, TaskRequest, measured_budgets, table_lines
+from pask.tasks.spider_hardness import LEVELS
+from pask.tasks.sql_exec import DEFAULT_TIMEOUT_S, execution_match
+from pask.tasks.sql_prompt import DdlSpan, build_messages, schema_ddl
+from pask.tasks.text_to_sql import DEFAULT_DATA_DIR, SPLITS, Case, db_path, load_cases, load_schema, split_cases
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Database:
+    """What every case on one database shares: its file, schema, grammar text and DDL spans."""
+
+    path: Path
+    schema: Schema
+    grammar: str
+    ddl: str
+    spans: tuple[DdlSpan, ...]
+
+    def tagger_schema(self) -> dict[str, list[str]]:
+        return {t.name: [c.name for c in t.columns] for t in self.schema.tables}
+
+
+@lru_cache(maxsize=64)
+def _database(db_id: str, data_dir: Path) -> Database:
+    schema = load_schema(db_id, data_dir)
+    ddl, spans = schema_ddl(schema)
+    return Database(db_path(db_id, data_dir), schema, sql_grammar(schema), ddl, tuple(spans))
+
+
+def database(db_id: str, data_dir: Path | str | None = None) -> Database:
+    """The shared assets of ``db_id`` (built once per database and data directory).
+
+    :class:`PaskError` for an unknown db_id or a missing / non-SQLite database file.
+    """
+    return _database(db_id, Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR).resolve())
+
+
+def check_databases(cases: list[Case], data_dir: Path | str | None = None) -> None:
+    """Raise :class:`PaskError` (naming a question) unless every db_id is known and its file is SQLite."""
+    first: dict[str, str] = {}
+    for c in cases:
+        first.setdefault(c.db_id, c.id)
+    for db_id, case_id in first.items():
+        try:
+            db_path(db_id, data_dir)
+        except PaskError as e:
+            raise PaskError(f"question {case_id}: {e}") from None
+
+
+def select_cases(split: str, limit: int | None = None, data_dir: Path | str | None = None) -> list[Case]:
+    """The first ``limit`` cases (file order) of a database-disjoint split, after checking every database."""
+    if split not in SPLITS:
+        raise PaskError(f"unknown split '{split}'; choose one of {', '.join(SPLITS)}")
+    if limit is not None and limit < 1:
+        raise PaskError(f"--limit must be >= 1, got {limit}")
+    cases = load_cases(data_dir)
+    check_databases(cases, data_dir)
+    return split_cases(cases)[split][:limit]
+
+
+def _bucket(rows: list[dict]) -> dict:
+    n = len(rows)
+    correct = sum(r["correct"] for r in rows)
+    return {"n": n, "correct": correct, "ex": round(100 * correct / n, 2) if n else None}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """EX (%) per difficulty and overall, failure counts and the measured budget."""
+    levels = {d: _bucket([r for r in rows if r["difficulty"] == d]) for d in LEVELS}
+    overall = _bucket(rows)
+    overall["exec_errors"] = sum(r["error"] is not None and r["stop_reason"] != "schema_error" for r in rows)
+    overall["truncated"] = sum(r["stop_reason"] == "length" for r in rows)
+    overall["schema_errors"] = sum(r["stop_reason"] == "schema_error" for r in rows)
+    return {"difficulties": levels, "overall": overall, **measured_budgets(rows)}
+
+
+def table_markdown(summary: dict, meta: dict | None = None) -> str:
+    """Markdown in the layout of the paper's Table 12 (EX per difficulty + Overall, measured B)."""
+    meta = meta or {}
+    levels = summary["difficulties"]
+    head = ["Model", "Method", "B", *[f"{d.capitalize()} EX" for d in LEVELS], "Overall EX"]
+
+    def ex(b: dict) -> str:
+        return "–" if b["ex"] is None else f"{b['ex']:.2f}"
+
+    cells = [
+        meta.get("model", "?"),
+        meta.get("policy", "?"),
+        f"{summary['measured_b']:.3f}",
+        *[ex(levels[d]) for d in LEVELS],
+        ex(summary["overall"]),
+    ]
+    ns = ["", "", "n", *[str(levels[d]["n"]) for d in LEVELS], str(summary["overall"]["n"])]
+    lines = table_lines(head, cells, ns, meta)
+    o = summary["overall"]
+    lines.append(
+        f"Correct: {o['correct']}/{o['n']}; execution errors: {o['exec_errors']}; "
+        f"truncated at max_new_tokens: {o['truncated']}; schema errors: {o['schema_errors']}."
+    )
+    return "\n".join(lines) + "\n"
+
+
+class SqlTask(Task):
+    """Spider dev text-to-SQL by execution accuracy.
+
+    Option ``data_dir``: the Spider layout to load (default: the bundled copy); ``limit``: the split's first N.
+    """
+
+    name = "sql"
+    splits = SPLITS
+    options: ClassVar[dict[str, Any]] = {"data_dir": None}
+    path_options = ("data_dir",)
+    default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+    score_key = "ex"
+
+    def cases(self, split: str, limit: int | None = None, data_dir: Path | str | None = None) -> list[Case]:
+        return select_cases(split, limit, data_dir)
+
+    def request(
+        self, case: Case, tokenizer: Any, tagging: bool = False, data_dir: Path | str | None = None
+    ) -> TaskRequest:
+        db = database(case.db_id, data_dir)
+        messages = build_messages(case, db.schema)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        req = TaskRequest(tokenizer(prompt, add_special_tokens=False)["input_ids"], db.grammar)
+        if tagging:
+            req.tagger = SqlTagger(db.tagger_schema())
+            at = prompt.index(db.ddl)
+            req.prompt_labels = label_sql_prompt(tokenizer, prompt, [(s + at, e + at, k, n) for s, e, k, n in db.spans])
+        return req
+
+    def case_fields(self, case: Case) -> dict:
+        return {"id": case.id, "db_id": case.db_id, "difficulty": case.difficulty}
+
+    def check(self, case: Case, output: Output, data_dir: Path | str | None = None) -> dict:
+        """Execute the generated query and the gold one on the case's database; EX by BIRD's rule."""
+        if output.error is not None:
+            return {"correct": False, "error": output.error}
+        sql = output.text.strip()
+        if not sql:
+            return {"correct": False, "error": "empty output"}
+        res = execution_match(database(case.db_id, data_dir).path, sql, case.gold_sql, DEFAULT_TIMEOUT_S)
+        return {"correct": res.correct, "error": res.error}
+
+    def summarize(self, rows: list[dict]) -> dict:
+        return summarize(rows)
+
+    def markdown(self, summary: dict, meta: dict | None = None) -> str:
+        return table_markdown(summary, meta)
+
+    def group(self, case: Case) -> str:
+        return case.difficulty
+
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "Database", "SqlTask", "database", "select_cases", "summarize", "table_markdown"]
