@@ -101,7 +101,7 @@ def test_screened_sensitivity_runs_only_the_probed_cases_and_weighs_their_flips(
         n_right = sum(c.category == "simple" for c in run_cases)
         return {"overall": {"correct": n_right, "n": len(run_cases)}, "measured_b": 0.5}
 
-    task = SimpleNamespace(run=run)
+    task = SimpleNamespace(name="bfcl", run=run)
     lm = SimpleNamespace(name="fake", fingerprint="fp")
     recs, n_run = run_sensitivity(
         lm, cases, control, plan, [("P|function_name|g0", "R")], tmp_path, task=task, screen=screen
