@@ -10,8 +10,9 @@ cache and every budget are unchanged; only the products are formed in fp32 (whic
 also accumulates in), at the price of upcasting the weight per call. Decode steps (a few rows)
 keep the native bf16 GEMV, which is cheaper than upcasting the weight there.
 
-``PASK_BF16_MATMUL`` selects the mode: ``auto`` (default: fp32 compute only where the CPU lacks
-BF16 instructions), ``fp32`` (always), ``native`` (never), ``gemv`` (below) or ``fp32-weights``: every bf16 linear
+``PASK_BF16_MATMUL`` selects the mode: ``auto`` (default: fp32 compute where the CPU lacks BF16
+instructions, ``gemv`` where it has them), ``fp32`` (always), ``native`` (PyTorch's bf16 kernels for
+every input, decode steps included: not batch-invariant, see below), ``gemv`` or ``fp32-weights``: every bf16 linear
 also keeps an fp32 copy of its weight (3x the weight memory: bf16 + fp32) and uses it for every
 input, decode steps included (faster decode GEMVs where bf16 ones are slow: on the AVX2 machine a
 batch-16 decode step of qwen2.5-coder-0.5b takes 644 ms against 1044 ms native, batch 8 458 vs
@@ -21,9 +22,17 @@ In every mode but ``native``, inputs of at most :data:`pask.cpu.native_gemv.MAX_
 steps) go to the native bf16-weight kernel of :mod:`pask.cpu.native_gemv` where it is available: the
 same fp32 product (up to summation order) reading the bf16 weight in place, several times faster
 than both PyTorch GEMVs on that machine because a decode step is bound by reading the weights.
-``gemv`` (CPUs with BF16 arithmetic; opt-in, the server's default: :func:`serving_mode`): PyTorch's
-bf16 GEMM for prefills and the native bf16 GEMV for decode-sized inputs (:func:`apply_gemv`;
-AVX512-BF16 dot products or AMX tiles, the bf16 GEMM's arithmetic up to summation order).
+``gemv`` (CPUs with BF16 arithmetic; what ``auto`` means there): PyTorch's bf16 GEMM for prefills
+and the native bf16 GEMV for decode-sized inputs (:func:`apply_gemv`; AVX512-BF16 dot products or
+AMX tiles, the bf16 GEMM's arithmetic up to summation order).
+
+Batch invariance: both native decode kernels sum each output in an order that does not depend on
+the number of input rows, so a row's decode step gives the same bits alone or in a batch of up to
+``MAX_ROWS`` (``tests/test_batch_invariance.py``). PyTorch's bf16 GEMM does not: on an AVX512-BF16
+CPU a ``[6, 1536] x [1536, 576]`` product gave one row different bits than the same row alone,
+enough to change greedy tokens under KIVI-4 (issue 26). Hence ``auto`` takes the native GEMV on
+every CPU; ``native`` (PyTorch's kernels, as the cells committed before that change on AVX512-BF16
+machines were computed) stays available to reproduce them.
 """
 
 from __future__ import annotations
@@ -98,28 +107,34 @@ def _bf16_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
-def serving_mode() -> str:
-    """The mode of the server (``pask serve``, ``pask bench serve``): ``auto`` there means ``gemv``.
+def resolved(how: str | None = None) -> str:
+    """The mode that ``how`` (default: the configured mode) means on this CPU: ``auto`` is ``gemv`` on
+    a CPU with BF16 arithmetic and ``fp32`` elsewhere."""
+    how = _checked(how)
+    if how == "auto":
+        return "gemv" if cpu_has_bf16() else "fp32"
+    return how
 
-    In the server's decode thread the native bf16 GEMV makes a batch-16 decode step over 8k tokens
-    of qwen2.5-coder-0.5b faster for every policy (``benchmarks/results/serving/gemv-ab``); the
-    evaluation commands keep PyTorch's GEMM (``auto``), which the committed accuracy cells used.
-    """
+
+def serving_mode() -> str:
+    """The mode of the server (``pask serve``, ``pask bench serve``): the configured one, with
+    ``auto`` read as ``gemv`` (in the server's decode thread the native bf16 GEMV makes a batch-16
+    decode step over 8k tokens of qwen2.5-coder-0.5b faster for every policy:
+    ``benchmarks/results/serving/gemv-ab``)."""
     m = mode()
     return "gemv" if m == "auto" else m
 
 
 def apply_gemv(model: torch.nn.Module, how: str | None = None) -> int:
-    """In ``gemv`` mode on a CPU with BF16 arithmetic, route the decode-sized inputs of the bf16
-    ``nn.Linear`` layers to the native bf16 GEMV (AVX512-BF16; AMX tiles where allowed). Returns the
-    number of layers changed (0 in other modes, on other CPUs or without the kernel).
+    """In ``gemv`` mode (``auto`` on a CPU with BF16 arithmetic), route the decode-sized inputs of the
+    bf16 ``nn.Linear`` layers to the native bf16 GEMV (AVX512-BF16; AMX tiles where allowed): faster
+    than PyTorch's GEMM and batch-invariant. Returns the number of layers changed (0 in other modes,
+    on other CPUs or without the kernel).
 
     On the AVX-512 + AMX machine a batch-8 decode step of qwen2.5-coder-0.5b takes 73.4 ms with it
-    against 88.0 ms with PyTorch's GEMM (``benchmarks/results/bf16_matmul.md``). Opt-in for
-    evaluations (its summation order differs from PyTorch's GEMM, which the committed cells used);
-    the server takes it by default (:func:`serving_mode`).
+    against 88.0 ms with PyTorch's GEMM (``benchmarks/results/bf16_matmul.md``).
     """
-    how = _checked(how)
+    how = resolved(how)
     if how != "gemv" or not cpu_has_bf16() or not native_gemv.has_bf16_io():
         return 0
     n = 0

@@ -138,6 +138,8 @@ def machine() -> dict:
     info = cpu_info()
     try:
         matmul = bf16_matmul.mode()
+        resolved = bf16_matmul.resolved(matmul)
+        matmul = matmul if resolved == matmul else f"{matmul} ({resolved})"  # what auto means on this CPU
     except PaskError:
         matmul = f"invalid: {os.environ.get('PASK_BF16_MATMUL')!r}"
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
