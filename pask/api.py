@@ -21,7 +21,8 @@ _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 @dataclass
 class Result:
     """One generation: its text, the parsed calls (tools) or JSON value (response_format), the
-    measured budget (``b_prompt``, ``b_decode``, ``b_total``, ``held_bytes``) and timings (ms)."""
+    measured budget (``b_prompt``, ``b_decode``, ``b_total``, ``held_bytes``), timings (ms) and, with
+    ``save_tags``, each generated token's structural tag."""
 
     text: str
     calls: list[dict] | None = None
@@ -30,6 +31,7 @@ class Result:
     budget: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)
+    tags: list[str] | None = None  # each generated token's structural tag (``save_tags=True``, with tools)
 
 
 def load(model: str = DEFAULT_MODEL, dtype: str = "bf16") -> LoadedModel:
@@ -43,7 +45,14 @@ def load(model: str = DEFAULT_MODEL, dtype: str = "bf16") -> LoadedModel:
     return load_model(model, dtype=getattr(torch, _DTYPES[dtype]))
 
 
-def _policy(lm: LoadedModel, policy: str, budget: float | None, table: str | Path | None, config: dict | None):
+def _policy(
+    lm: LoadedModel,
+    policy: str,
+    budget: float | None,
+    table: str | Path | None,
+    config: dict | None,
+    allow_transfer: bool = False,
+):
     """The KV policy object (``None``: Full KV) for a name, budget and PASK table."""
     from pask.policies.factory import make_policy
 
@@ -60,7 +69,7 @@ def _policy(lm: LoadedModel, policy: str, budget: float | None, table: str | Pat
         table = default_table(lm.name, "bfcl", budget)
         if table is None:
             raise PaskError(f"no committed PASK table for this model at budget {budget}: pass table=PATH")
-    return make_pask_policy(load(Path(table), fingerprint=lm.fingerprint), budget)
+    return make_pask_policy(load(Path(table), fingerprint=lm.fingerprint, allow_transfer=allow_transfer), budget)
 
 
 def generate(
@@ -73,11 +82,15 @@ def generate(
     table: str | Path | None = None,
     policy_config: dict | None = None,
     max_new_tokens: int = 384,
+    allow_transfer: bool = False,
+    save_tags: bool = False,
 ) -> Result:
     """Generate one reply under the tool-call grammar (``tools``: the reply is one or more calls) or
     a JSON schema (``response_format``: ``{"type": "json_schema", "json_schema": {"schema": ...}}``),
     with the KV ``policy`` at ``budget`` (``"full"``: Full KV; ``"pask"`` uses ``table`` or the
-    committed table for the model and budget). Schemas are checked before anything runs."""
+    committed table for the model and budget; ``allow_transfer``: accept a table calibrated on another
+    model). ``save_tags``: the result's ``tags`` hold each generated token's structural tag (tool
+    requests). Schemas are checked before anything runs."""
     from pask.runtime.engine import generate as run
     from pask.serving.protocol import attach_tagging, build_chat_request, tool_calls_of
     from pask.structure.schema_check import check_response_format
@@ -91,14 +104,14 @@ def generate(
             check_response_format(schema)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise PaskError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    kv = _policy(lm, policy, budget, table, policy_config)
+    kv = _policy(lm, policy, budget, table, policy_config, allow_transfer)
     body: dict[str, Any] = {"model": "pask", "messages": messages, "max_tokens": max_new_tokens}
     if tools:
         body["tools"], body["tool_choice"] = tools, "required"
     if response_format is not None:
         body["response_format"] = response_format
     chat = build_chat_request(body, lm.tokenizer, "pask", max_new_tokens)
-    if kv is not None and getattr(kv, "needs_tags", False):
+    if save_tags or (kv is not None and getattr(kv, "needs_tags", False)):
         attach_tagging(chat, lm.tokenizer)
     (g,) = run(lm, [chat.request], policy=kv)
     calls = None
@@ -112,4 +125,6 @@ def generate(
         except json.JSONDecodeError:
             value = None
     timings = {"prefill_ms": round(g.prefill_ms, 2), "tpot_ms": round(g.tpot_ms, 2)}
-    return Result(g.text, calls, value, g.stop_reason, g.extra.get("budget") or {}, timings, list(g.token_ids))
+    tags = [str(t) for t in g.extra["tags"]] if save_tags and "tags" in g.extra else None
+    measured = g.extra.get("budget") or {}
+    return Result(g.text, calls, value, g.stop_reason, measured, timings, list(g.token_ids), tags)

@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -66,6 +67,8 @@ PrefillStoreOpt = Annotated[
     Path | None,
     typer.Option(help="reuse prompt prefills across runs from this directory (sets $PASK_PREFILL_STORE)"),
 ]
+DtypeOpt = Annotated[str, typer.Option(help="weights' dtype: bf16, fp32 or fp16")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads (default: torch's choice)")]
 
 
 def _threads(n: int | None, prefill_store: Path | None = None) -> None:
@@ -153,55 +156,161 @@ def _with_progress(label: str, total: int, run):
 @app.command()
 @user_errors
 def generate(
-    request_file: Annotated[Path, typer.Argument(help="JSON file: {'messages': [...], 'tools': [...]}")],
+    request_file: Annotated[
+        Path,
+        typer.Argument(help="JSON file: {'messages': [...], 'tools': [...]} (or 'response_format' for JSON output)"),
+    ],
     model: ModelOpt = DEFAULT_MODEL,
-    max_new_tokens: int = 384,
-    dtype: str = "bf16",
-    threads: int | None = None,
-    save_tags: Annotated[bool, typer.Option(help="include per-token structural tags")] = False,
+    policy: Annotated[str, typer.Option(help="KV policy (full, pask, kivi-4, snapkv, h2o, ...)")] = "full",
+    budget: BudgetOpt = None,
+    table: TableOpt = None,
+    policy_config: PolicyConfigOpt = None,
+    allow_transfer: TransferOpt = False,
+    max_new_tokens: Annotated[int, typer.Option(help="at most this many generated tokens")] = 384,
+    dtype: DtypeOpt = "bf16",
+    threads: ThreadsOpt = None,
+    save_tags: Annotated[bool, typer.Option(help="include each generated token's structural tag")] = False,
 ) -> None:
-    """Run one request (messages + OpenAI-style tools) under the tool-call grammar; print the calls."""
-    from pask.runtime.engine import generate as run
-    from pask.runtime.models import load_model
-    from pask.runtime.tokens import Request, eos_ids
-    from pask.structure.constraint import Constraint, ll_tokenizer
-    from pask.tasks.function_calling import build_grammar, parse_calls
+    """Run one request under the tool-call grammar (or a JSON schema) with a KV policy; print one JSON line.
+
+    The line holds the calls, the text, the stop reason, the measured budget B and the timings.
+    --policy pask without --table takes the committed table for the model and budget (pask/tables/).
+    The request, its schemas and the policy options are checked before the model loads.
+    """
+    from pask import api
 
     req = _read_request(request_file)
+    if max_new_tokens < 1:
+        raise PaskError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    dtype = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
+    if dtype not in ("bf16", "fp32", "fp16"):
+        raise PaskError(f"unknown dtype '{dtype}'; choose bf16, fp32 or fp16")
+    table, frozen, config = _generate_policy(model, policy, budget, table, policy_config, allow_transfer)
     _threads(threads)
-    lm = load_model(model, dtype=_dtype(dtype))
-    tok = lm.tokenizer
-    prompt = tok.apply_chat_template(req["messages"], tools=req["tools"], add_generation_prompt=True, tokenize=False)
-    ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    constraint = Constraint(ll_tokenizer(tok, eos_ids(tok)), build_grammar(req["tools"], tok))
-    request = Request(ids, constraint, max_new_tokens, parse=parse_calls)
-    if save_tags:
-        from pask.structure.json_tagger import JsonCallTagger
-
-        request.tagger = JsonCallTagger(req["tools"])
-    (g,) = run(lm, [request])
-    result = {"calls": g.parsed, "text": g.text, "stop": g.stop_reason, "tpot_ms": round(g.tpot_ms, 2)}
-    if save_tags:
-        pieces = [tok.decode([t]) for t in g.token_ids]
-        result["tags"] = [{"token": p, "tag": str(t)} for p, t in zip(pieces, g.extra["tags"], strict=True)]
+    lm = api.load(model, dtype)
+    if frozen is not None and frozen.fingerprint != lm.fingerprint and not allow_transfer:
+        raise PaskError(
+            f"{table} was calibrated on model {frozen.model_name or '?'} ({frozen.fingerprint}), not on "
+            f"{lm.name} ({lm.fingerprint}): calibrate a table for this model (`pask calibrate`), "
+            "or pass --allow-transfer to use it anyway"
+        )
+    with warnings.catch_warnings(record=True) as caught:  # a calibration transfer's warning: one line
+        warnings.simplefilter("always", UserWarning)
+        out = api.generate(
+            lm,
+            req["messages"],
+            tools=req.get("tools"),
+            response_format=req.get("response_format"),
+            policy=policy,
+            budget=budget,
+            table=table,
+            policy_config=config,
+            max_new_tokens=max_new_tokens,
+            allow_transfer=allow_transfer,
+            save_tags=save_tags,
+        )
+    for w in caught:
+        console.print(f"[yellow]warning:[/] {w.message}")
+    result = {"model": lm.name, "policy": policy, "target_b": budget}
+    if table is not None:
+        result["table"] = str(table)
+    result |= {"calls": out.calls, "text": out.text, "stop_reason": out.stop_reason}
+    if req.get("response_format") is not None:
+        result["value"] = out.value
+    result |= {"n_generated": len(out.token_ids), "budget": out.budget, "timings": out.timings}
+    if save_tags and out.tags is not None:
+        pieces = [lm.tokenizer.decode([t]) for t in out.token_ids]
+        result["tags"] = [{"token": p, "tag": t} for p, t in zip(pieces, out.tags, strict=True)]
     print(json.dumps(result))
 
 
+def _generate_policy(
+    model: str, policy: str, budget: float | None, table: Path | None, config: str | None, allow_transfer: bool
+):
+    """Check `pask generate`'s policy options before the model loads: (the PASK table's path, the
+    table, the parsed --policy-config). ``--policy pask`` without ``--table`` takes the committed
+    table of the model and budget; a table's file, format, task and budget are checked here, its
+    model fingerprint after the load."""
+    if budget is not None:
+        check_budget(budget, "--budget")
+    if policy != "pask":
+        if table is not None:
+            raise PaskError("--table is for --policy pask")
+        make_policy(policy, budget, config)  # unknown policy, bad budget or configuration
+        return None, None, json.loads(config) if config else None
+    if config:
+        raise PaskError("--policy-config does not apply to --policy pask: its parameters are the table's")
+    if budget is None:
+        raise PaskError("--policy pask needs --budget B (the budget its table was calibrated for, e.g. 0.33)")
+    if table is None:
+        from pask.policies.table import default_table
+
+        table = default_table(model, "bfcl", budget)
+        if table is None:
+            raise PaskError(
+                f"--policy pask needs --table FILE: no committed PASK table for model '{model}' at budget {budget:g} "
+                f"(committed: {_committed_tables()}); make one with "
+                f"`pask calibrate --task bfcl --model {model} --budget {budget:g} --out T.json`"
+            )
+    frozen = load_pask_table(table, "bfcl", None, allow_transfer)
+    if frozen.target_b is not None and abs(frozen.target_b - budget) > 1e-9:
+        raise PaskError(f"{table} was calibrated for B = {frozen.target_b:g}, not --budget {budget:g}")
+    return table, frozen, None
+
+
+def _committed_tables() -> str:
+    """The committed function-calling tables, e.g. ``qwen2.5-coder-0.5b at B 0.25, 0.33``."""
+    import re
+
+    from pask.policies.table import TABLES_DIR
+
+    found: dict[str, list[float]] = {}
+    for path in TABLES_DIR.glob("*-bfcl-b*.json"):
+        if m := re.fullmatch(r"(.+)-bfcl-b([0-9.]+)\.json", path.name):
+            found.setdefault(m[1], []).append(float(m[2]))
+    return "; ".join(f"{k} at B {', '.join(f'{b:g}' for b in sorted(v))}" for k, v in sorted(found.items())) or "none"
+
+
 def _read_request(path: Path) -> dict:
+    """The request file's object: 'messages' and 'tools' or 'response_format', checked (tool schemas
+    included, :func:`pask.tasks.function_calling.check_tools`) before any model loads."""
+    from pask.structure.schema_check import check_response_format
+    from pask.tasks.function_calling import check_tools
+
     try:
         req = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise PaskError(f"{path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise PaskError(f"{path} is not UTF-8 text") from None
     if not isinstance(req, dict) or not isinstance(req.get("messages"), list) or not req["messages"]:
         raise PaskError(f"{path}: expected an object with a non-empty 'messages' list")
-    tools = req.get("tools")
+    for i, m in enumerate(req["messages"]):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise PaskError(f"{path}: messages[{i}] must be an object with a 'role' and a 'content'")
+    tools, fmt = req.get("tools"), req.get("response_format")
+    if fmt is not None:
+        if tools is not None:
+            raise PaskError(f"{path}: give 'tools' or 'response_format', not both")
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        spec = fmt.get("json_schema") if kind == "json_schema" else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not (kind == "json_object" or isinstance(schema, dict)):
+            raise PaskError(
+                f"{path}: response_format must be {{'type': 'json_schema', 'json_schema': {{'schema': {{...}}}}}} "
+                "or {'type': 'json_object'}"
+            )
+        if schema is not None:
+            check_response_format(schema)
+        return req
     if not isinstance(tools, list) or not tools:
-        raise PaskError(f"{path}: expected a non-empty 'tools' list")
+        raise PaskError(f"{path}: expected a non-empty 'tools' list (or a 'response_format')")
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise PaskError(f"{path}: every tool needs {{'type': 'function', 'function': {{'name': ...}}}}")
         fn.setdefault("parameters", {"type": "object", "properties": {}})
+    check_tools(tools)
     return req
 
 

@@ -152,7 +152,7 @@ def test_applies_only_to_what_the_kernel_serves(native):
 
 
 def test_missing_compiler_is_an_error_unless_fallback_is_allowed(monkeypatch, tmp_path):
-    monkeypatch.setattr(na, "_STATE", None)
+    monkeypatch.setattr(na._PROBE, "state", None)
     monkeypatch.setattr(na, "_LIB", None)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PASK_CACHE", str(tmp_path))
@@ -175,7 +175,7 @@ def test_missing_source_is_an_error(monkeypatch, tmp_path):
     """A broken install (the C++ source not shipped) is reported, not silently replaced by PyTorch."""
     if native_build.compiler() is None:
         pytest.skip("no compiler")
-    monkeypatch.setattr(na, "_STATE", None)
+    monkeypatch.setattr(na._PROBE, "state", None)
     monkeypatch.setattr(na, "_LIB", None)
     monkeypatch.setattr(na, "SOURCE", tmp_path / "native_attention.cpp")
     monkeypatch.setenv("PASK_CACHE", str(tmp_path))
@@ -185,7 +185,7 @@ def test_missing_source_is_an_error(monkeypatch, tmp_path):
 
 
 def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setattr(na, "_STATE", None)
+    monkeypatch.setattr(na._PROBE, "state", None)
     monkeypatch.setattr(na, "_LIB", None)
     monkeypatch.setenv("PASK_NATIVE", "0")
     assert not na.available() and na.status() == "disabled by PASK_NATIVE=0"

@@ -69,12 +69,12 @@ def test_applies_only_to_decode_sized_bf16_inputs(gemv):
 
 
 def test_disabled_by_environment_and_missing_compiler(monkeypatch, tmp_path):
-    monkeypatch.setattr(ng, "_STATE", None)
+    monkeypatch.setattr(ng._PROBE, "state", None)
     monkeypatch.setattr(ng, "_LIB", None)
     monkeypatch.setenv("PASK_NATIVE", "0")
     assert not ng.available() and ng.status() == "disabled by PASK_NATIVE=0"
     assert not ng.applies(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16))
-    monkeypatch.setattr(ng, "_STATE", None)
+    monkeypatch.setattr(ng._PROBE, "state", None)
     monkeypatch.delenv("PASK_NATIVE")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PASK_CACHE", str(tmp_path))
@@ -129,8 +129,9 @@ def test_bf16_io_rounds_the_fp32_sum_once(m, k8, n, bias, scale, amx, seed):
 
 
 def test_bf16_io_decode_step_routing(gemv, monkeypatch):
-    """apply_gemv ('gemv' mode): decode-sized bf16 inputs take the native kernel, prefills PyTorch's
-    linear; other modes and CPUs without BF16 arithmetic change nothing."""
+    """apply_gemv ('gemv' mode, and 'auto' on a CPU with BF16 arithmetic): decode-sized bf16 inputs
+    take the native kernel, prefills PyTorch's linear; other modes and CPUs without BF16 arithmetic
+    change nothing."""
     from pask.cpu import bf16_matmul
 
     if not ng.has_bf16_io():
@@ -138,11 +139,12 @@ def test_bf16_io_decode_step_routing(gemv, monkeypatch):
     lin = torch.nn.Linear(64, 48).bfloat16()
     model = torch.nn.Sequential(lin)
     assert bf16_matmul.apply_gemv(model, "native") == 0
-    assert bf16_matmul.apply_gemv(model, "auto") == 0
     monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: False)
     assert bf16_matmul.apply_gemv(model, "gemv") == 0
+    assert bf16_matmul.apply_gemv(model, "auto") == 0  # auto is fp32 there (apply)
     monkeypatch.setattr(bf16_matmul, "cpu_has_bf16", lambda cpuinfo=None: True)
     assert bf16_matmul.apply(model, "gemv") == 0  # no fp32 products in this mode
+    assert bf16_matmul.apply_gemv(model, "auto") == 1  # auto means gemv on a CPU with BF16 arithmetic
     assert bf16_matmul.apply_gemv(model, "gemv") == 1
     calls = []
     real = ng.linear_bf16

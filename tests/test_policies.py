@@ -31,6 +31,7 @@ from pask.policies import (
     SnapKVPolicy,
     get_policy,
 )
+from pask.policies.base import PolicyBase
 from pask.policies.rocketkv import hsa_scores
 from pask.runtime.runner import decode_with_policy
 
@@ -60,7 +61,7 @@ def _one_thread():
 
 
 # -- the shared end-to-end matrix ---------------------------------------------------------------
-class PerRow:
+class PerRow(PolicyBase):
     """One policy per batch row (so one batched run checks two budgets); checks the recent window.
 
     At every call it checks that the previous call's recent window is still H in every group
@@ -70,6 +71,7 @@ class PerRow:
     def __init__(self, policies):
         self.policies = policies
         self.name = policies[0].name
+        self.budget = policies[0].budget
         for attr in ("prefill_window", "prefill_value_norm", "step_attention", "step_scorer", "low_bits"):
             if hasattr(policies[0], attr):
                 setattr(self, attr, getattr(policies[0], attr))
@@ -83,6 +85,9 @@ class PerRow:
             window = ctx.tiers()[:, max(0, n_prev - ctx.recent_window) : n_prev]
             assert bool((window == H).all()), f"recent window of row {ctx.seq} touched"
         self.prev[ctx.seq] = ctx.length
+
+    def reset(self, seq: int) -> None:
+        self.policies[seq].reset(seq)
 
     def prefill_actions(self, ctx):
         self._check(ctx)
@@ -144,10 +149,11 @@ def test_full_policy_collects_nothing_and_explicit_path_is_exact(smol, prompts):
     assert (torch.stack(h2o.logits) - torch.stack(full.logits)).abs().max() <= 1e-4
 
 
-class Recorder:
+class Recorder(PolicyBase):
     """A policy that only records the statistics it is given."""
 
     name = "recorder"
+    budget = None
     prefill_window = 8
     prefill_value_norm = True
     step_attention = True

@@ -10,6 +10,7 @@ import torch
 from pask.errors import PaskError
 from pask.kv.stats import ALL, StatsRequest
 from pask.policies import get_policy
+from pask.policies.base import PolicyBase
 from pask.runtime.engine import generate
 from pask.runtime.prefill_store import ENV, PrefillEntry, PrefillStore
 
@@ -105,7 +106,7 @@ def test_statistics_from_the_store_equal_fresh_ones(smol, requests_, tmp_path, m
     seen: dict[str, list] = {"fresh": [], "filling": [], "stored": []}
 
     @dataclasses.dataclass
-    class Recorder:
+    class Recorder(PolicyBase):
         budget: float = 0.5
         prefill_window: int = 32
         prefill_value_norm: bool = True

@@ -36,8 +36,28 @@ class _Clock:
     phase: str = "step"
 
 
+def _through(name: str) -> property:
+    """A read-only property that reads ``name`` of the wrapped policy."""
+    return property(lambda self: getattr(self._policy, name), doc=f"The wrapped policy's ``{name}``.")
+
+
 class TimedPolicy:
-    """Delegates to ``policy`` and times its decision calls (every other attribute passes through)."""
+    """Delegates to ``policy`` and times its decision calls.
+
+    The :class:`~pask.policies.base.Policy` members pass through explicitly (a runtime protocol
+    check on Python >= 3.12 does not see attributes served by ``__getattr__``); any other attribute
+    (e.g. PASK's ``table``) passes through ``__getattr__``.
+    """
+
+    name = _through("name")
+    budget = _through("budget")
+    target_b = _through("target_b")
+    needs_tags = _through("needs_tags")
+    low_bits = _through("low_bits")
+    prefill_window = _through("prefill_window")
+    prefill_value_norm = _through("prefill_value_norm")
+    step_attention = _through("step_attention")
+    step_scorer = _through("step_scorer")
 
     def __init__(self, policy, clock: _Clock) -> None:
         self._policy, self._clock = policy, clock
@@ -64,6 +84,9 @@ class TimedPolicy:
                 self._clock.decide_s += dt
             else:
                 self._clock.prefill_s += dt
+
+    def reset(self, seq: int) -> None:
+        self._policy.reset(seq)
 
     def prefill_actions(self, ctx):
         return self._timed(self._policy.prefill_actions, ctx, "prefill")
@@ -157,7 +180,7 @@ def bench_policy_overhead(
                 policy = TimedPolicy(make_pask_policy(table, budget, fingerprint=lm.fingerprint), row.clock)
             else:
                 policy = TimedPolicy(make_policy(name, budget), row.clock)
-            tagging = bool(getattr(policy, "needs_tags", False))
+            tagging = policy is not None and policy.needs_tags
             reqs = [prepare(lm, c, max_new_tokens, tagging=tagging)[0] for c in chunk]
             with timed_apply(row.clock):
                 gens = generate(lm, reqs, policy=policy)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pask.kv.cache import CacheConfig, layer_groups
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import ActionSpec, Policy, PolicyBase, SeqContext
 from pask.runtime.runner import decode_with_policy
 
 FORCED_STOP = -1  # returned by the forcing next_token_fn once a row's tokens are used up
@@ -89,14 +89,29 @@ class AttnCapture:
 
 
 @dataclass
-class ForcedContext:
-    """Wraps a policy so it sees known tags / prompt labels (teacher forcing gives it none)."""
+class ForcedContext(PolicyBase):
+    """Wraps a policy so it sees known tags / prompt labels (teacher forcing gives it none).
 
-    policy: object
+    A :class:`~pask.policies.base.Policy` itself: its budget and per-row reset are the wrapped
+    policy's; it asks for no statistics and no tags (the replay supplies the tags).
+    """
+
+    policy: Policy
     tags: list[list]
     labels: list[list | None]
     name: str = "forced"
     needs_tags: bool = False
+
+    @property
+    def budget(self) -> float | None:
+        return self.policy.budget
+
+    @property
+    def target_b(self) -> float:
+        return self.policy.target_b
+
+    def reset(self, seq: int) -> None:
+        self.policy.reset(seq)
 
     def _ctx(self, ctx: SeqContext) -> SeqContext:
         return replace(ctx, tags=self.tags[ctx.seq], prompt_labels=self.labels[ctx.seq])

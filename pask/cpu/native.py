@@ -27,6 +27,7 @@ import re
 import shutil
 import subprocess
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from pask.errors import PaskError
@@ -66,6 +67,41 @@ def unavailable(kernel: str, state: str, fallback: str, warn: bool = True) -> No
         f"its C++ sources are missing, or opt out: PASK_NATIVE=0 turns the native kernels off, "
         f"{ALLOW_FALLBACK_ENV}=1 runs {fallback} with a warning"
     )
+
+
+class Probe:
+    """A native kernel's state, probed once per process: ``"ok"``, ``"probing"`` (while the probe
+    runs), ``"disabled by PASK_NATIVE=0"`` or why it could not be built, loaded or probed.
+
+    ``probe()`` builds, loads and checks the kernel and returns that state (never raises). The
+    kernel modules expose :meth:`available` and :meth:`status` as their own functions.
+    """
+
+    def __init__(self, kernel: str, fallback: str, probe: Callable[[], str]) -> None:
+        self.kernel, self.fallback, self._probe = kernel, fallback, probe
+        self.state: str | None = None  # None: not tried yet (tests set it back to None to probe again)
+        self.warned = False  # the fallback warning (PASK_ALLOW_FALLBACK=1) was given for this probe
+
+    def status(self) -> str:
+        """``"ok"`` or why the kernel is not used (probes on first use; never raises)."""
+        if self.state is None:
+            self.state, self.warned = "probing", False
+            self.state = self._probe()
+        return self.state
+
+    def available(self) -> bool:
+        """Whether the kernel is built, loaded and agrees with its reference (cached per process).
+
+        False with ``PASK_NATIVE=0``. A kernel that could not be built, loaded or probed raises
+        :class:`NativeKernelError`, or with ``PASK_ALLOW_FALLBACK=1`` warns (once) and gives False.
+        """
+        state = self.status()
+        if state in ("ok", "probing"):
+            return True
+        if not state.startswith("disabled"):
+            unavailable(self.kernel, state, self.fallback, warn=not self.warned)
+            self.warned = True
+        return False
 
 
 def compiler() -> str | None:

@@ -33,8 +33,6 @@ FLAGS = list(native.COMMON_FLAGS)
 MAX_ROWS = 16  # input rows up to which :func:`applies` (decode batches); larger inputs are GEMMs
 
 _LIB: ctypes.CDLL | None = None
-_STATE: str | None = None  # None: not tried; "ok"; or why it is not used
-_WARNED = False  # the fallback warning (PASK_ALLOW_FALLBACK=1) was given for this probe
 
 
 def _probe() -> str:
@@ -78,39 +76,14 @@ def _probe() -> str:
     return "ok"
 
 
-def _state() -> str:
-    """Probe once per process (never raises); ``"ok"`` or why the kernel is not used."""
-    global _STATE, _WARNED
-    if _STATE is None:
-        _STATE, _WARNED = _probe(), False
-    return _STATE
-
-
-def available() -> bool:
-    """Whether the kernel is built, loaded and agrees with ``F.linear`` (cached per process).
-
-    False with ``PASK_NATIVE=0``. A kernel that could not be built, loaded or probed raises
-    :class:`pask.cpu.native.NativeKernelError`, or with ``PASK_ALLOW_FALLBACK=1`` warns (once) and
-    gives False.
-    """
-    global _WARNED
-    state = _state()
-    if state == "ok":
-        return True
-    if not state.startswith("disabled"):
-        native.unavailable("native gemv", state, "PyTorch's linear", warn=not _WARNED)
-        _WARNED = True
-    return False
-
-
-def status() -> str:
-    """``"ok"`` or why the kernel is not used (probes on first use; never raises)."""
-    return _state()
+_PROBE = native.Probe("native gemv", "PyTorch's linear", _probe)
+available = _PROBE.available  # whether the kernel is built, loaded and probed (raises unless PASK_ALLOW_FALLBACK=1)
+status = _PROBE.status  # "ok" or why the kernel is not used (never raises)
 
 
 def isa() -> str | None:
     """The instruction set the kernel runs (``avx512bf16+amx``, ``avx512bf16``, ``avx2``, ``portable``), or None."""
-    return _LIB.pask_gemv_isa().decode() if _state() == "ok" and _LIB is not None else None
+    return _LIB.pask_gemv_isa().decode() if status() == "ok" and _LIB is not None else None
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -123,7 +123,7 @@ def run_task(
         raise PaskError("--max-new-tokens must be >= 1")
     check_batching(batching)
     options = task.resolve_options(options)
-    tagging = save_tags or getattr(policy, "needs_tags", False)
+    tagging = save_tags or (policy is not None and policy.needs_tags)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "cases.jsonl"

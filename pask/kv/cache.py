@@ -50,7 +50,13 @@ H, L, R = int(Action.H), int(Action.L), int(Action.R)
 
 
 def config_for(policy, config: CacheConfig | None = None) -> CacheConfig:
-    """``config`` (default settings if None) with the L-tier width the policy asks for (``low_bits``)."""
+    """``config`` (default settings if None) with the L-tier width the policy asks for (``low_bits``).
+
+    ``low_bits`` is a member of every :class:`pask.policies.base.Policy` (``None``: no preference).
+    ``pask.kv`` sits below ``pask.policies`` and cannot name the protocol, and it accepts any policy
+    object (e.g. a user's object given to :func:`pask.kv_policy`), so it reads the attribute with
+    ``None`` as the default.
+    """
     config = config or CacheConfig()
     bits = getattr(policy, "low_bits", None)
     if bits is None or bits == config.low_bits:

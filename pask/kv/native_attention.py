@@ -39,8 +39,6 @@ FLAGS += ["-ffp-contract=off"]  # no fused multiply-add where PyTorch rounds twi
 MAX_ROWS, MAX_DIM, GROUP = 16, 128, 32  # query rows per kv head, head_dim, quantisation group
 
 _LIB: ctypes.CDLL | None = None
-_STATE: str | None = None  # None: not tried; "ok"; or why it is unavailable
-_WARNED = False  # the fallback warning (PASK_ALLOW_FALLBACK=1) was given for this probe
 _REFERENCE_CHECK: Callable[[], float | None] | None = None
 
 
@@ -95,42 +93,16 @@ def _probe() -> str:
     return "ok"
 
 
+_PROBE = native.Probe("native attention", "the PyTorch path", _probe)
+available = _PROBE.available  # whether the kernel is built, loaded and probed (raises unless PASK_ALLOW_FALLBACK=1)
+status = _PROBE.status  # "ok" or why the kernel is not used (never raises)
+
+
 def set_reference_check(check: Callable[[], float | None]) -> None:
     """Register the probe's comparison with the reference attention: ``None`` if the kernel agrees,
     else the largest error (called once, with the library loaded, by :func:`available`)."""
     global _REFERENCE_CHECK
     _REFERENCE_CHECK = check
-
-
-def _state() -> str:
-    """Probe once per process (never raises); ``"ok"``, ``"probing"`` (during the probe) or why not."""
-    global _STATE, _WARNED
-    if _STATE is None:
-        _STATE, _WARNED = "probing", False
-        _STATE = _probe()
-    return _STATE
-
-
-def available() -> bool:
-    """Whether the native kernel is built, loaded and agrees with the reference (cached per process).
-
-    False with ``PASK_NATIVE=0``. A kernel that could not be built, loaded or probed raises
-    :class:`pask.cpu.native.NativeKernelError`, or with ``PASK_ALLOW_FALLBACK=1`` warns (once) and
-    gives False.
-    """
-    global _WARNED
-    state = _state()
-    if state in ("ok", "probing"):
-        return True
-    if not state.startswith("disabled"):
-        native.unavailable("native attention", state, "the PyTorch path", warn=not _WARNED)
-        _WARNED = True
-    return False
-
-
-def status() -> str:
-    """``"ok"`` or why the native kernel is not used (probes on first use; never raises)."""
-    return _state()
 
 
 def use_amx(on: bool) -> bool:
@@ -143,7 +115,7 @@ def use_amx(on: bool) -> bool:
 
 def isa() -> str | None:
     """The instruction set the kernels run (``avx512+amx``, ``avx512``, ``avx2``, ``portable``), or None."""
-    return _LIB.pask_attention_isa().decode() if _state() == "ok" and _LIB is not None else None
+    return _LIB.pask_attention_isa().decode() if status() == "ok" and _LIB is not None else None
 
 
 def applies(query: torch.Tensor, layer) -> bool:

@@ -60,6 +60,10 @@ class StatsRequest:
 
     @classmethod
     def of(cls, policy) -> StatsRequest:
+        """What ``policy`` asks for. These attributes are members of every
+        :class:`pask.policies.base.Policy`; ``pask.kv`` sits below ``pask.policies`` and accepts any
+        policy object (e.g. a user's object given to :func:`pask.kv_policy`), so a missing one reads
+        as "not asked"."""
         return cls(
             prefill_window=int(getattr(policy, "prefill_window", 0) or 0),
             prefill_value_norm=bool(getattr(policy, "prefill_value_norm", False)),

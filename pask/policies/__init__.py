@@ -4,7 +4,9 @@
 measured budget ``budget`` in (0, 1] and meets it within about ``1 / (2n)``) are ``h2o``,
 ``snapkv``, ``mikv``, ``rocketkv``, ``criticalkv``, ``lazyeviction``, ``kivi-4`` (alias
 ``kivi``) and ``kivi-2`` (on a cache whose L tier holds INT2 codes). See
-:mod:`pask.policies._common` for the budget arithmetic shared by all of them.
+:mod:`pask.policies._common` for the budget arithmetic shared by all of them, and
+:class:`pask.policies.base.Policy` for the protocol every policy implements (``budget``,
+``target_b``, ``reset``, ...; :class:`~pask.policies.base.PolicyBase` gives the defaults).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pask.errors import PaskError
-from pask.policies.base import ActionSpec, Policy, SeqContext
+from pask.policies.base import ActionSpec, Policy, PolicyBase, SeqContext
 from pask.policies.criticalkv import CriticalKVPolicy
 from pask.policies.full import FullPolicy
 from pask.policies.h2o import H2OPolicy
@@ -74,6 +76,7 @@ __all__ = [
     "MiKVPolicy",
     "PaskPolicy",
     "Policy",
+    "PolicyBase",
     "RocketKVPolicy",
     "SeqContext",
     "SnapKVPolicy",

@@ -30,7 +30,7 @@ from pask.errors import PaskError
 from pask.kv.actions import Action
 from pask.kv.budget import check_budget as kv_check_budget
 from pask.kv.stats import ALL
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 
 BIG = 1e12  # priority step between protected classes (attention sums stay far below it)
 REDUCES = ("sum", "max", "mean")
@@ -172,8 +172,6 @@ def extend(x: torch.Tensor | None, n: int, fill: float = 0.0) -> torch.Tensor:
 
 def start_accumulation(store: dict, ctx: SeqContext, policy: str) -> None:
     """H2O-style importance: a sequence's accumulated attention starts from its prefill column sums."""
-    if ctx.seq == 0:
-        store.clear()
     store[ctx.seq] = need(ctx.prefill_attention, "prefill attention", policy).clone()
 
 
@@ -203,22 +201,24 @@ def with_generated(prompt_priority: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([prompt_priority, (4 * BIG + pos).expand(g, n - p)], dim=1)
 
 
-class PromptRanked:
+class PromptRanked(PolicyBase):
     """Mixin of the policies that rank the prompt once, at prefill, from the observation window.
 
     The subclass gives ``prompt_priority(ctx) -> [G, P]``, a ``window`` field and a ``_prio`` dict
-    field. Every plan holds ``round(budget · n)`` tokens: generated tokens above the prompt, the
-    lowest-ranked prompt tokens released first (so the kept prompt set is always a prefix of the
-    prefill ranking).
+    field (the ranking per row ``seq``, dropped by :meth:`reset`). Every plan holds
+    ``round(budget · n)`` tokens: generated tokens above the prompt, the lowest-ranked prompt tokens
+    released first (so the kept prompt set is always a prefix of the prefill ranking).
     """
 
     @property
     def prefill_window(self) -> int:
         return self.window
 
+    def reset(self, seq: int) -> None:
+        """Forget row ``seq``'s prefill ranking."""
+        self._prio.pop(seq, None)
+
     def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        if ctx.seq == 0:
-            self._prio.clear()
         self._prio[ctx.seq] = self.prompt_priority(ctx)
         return self.step_actions(ctx)
 
@@ -227,16 +227,20 @@ class PromptRanked:
         return release_to_count(ctx, pr, keep_count(self.budget, ctx.length))
 
 
-class AttentionAccumulating:
+class AttentionAccumulating(PolicyBase):
     """Mixin of the policies that rank by accumulated attention (H2O's heavy hitters).
 
     Asks for every prompt query's attention at prefill and each decode query's after every step;
-    the subclass gives a ``_acc`` dict field and ``_plan(ctx)``, called with the accumulation
-    up to date.
+    the subclass gives a ``_acc`` dict field (the accumulation per row ``seq``, dropped by
+    :meth:`reset`) and ``_plan(ctx)``, called with the accumulation up to date.
     """
 
     prefill_window = ALL
     step_attention = True
+
+    def reset(self, seq: int) -> None:
+        """Forget row ``seq``'s accumulated attention."""
+        self._acc.pop(seq, None)
 
     def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
         start_accumulation(self._acc, ctx, self.name)

@@ -57,17 +57,53 @@ class SeqContext:
 class Policy(Protocol):
     """Decides retention actions; called once at prefill and after every decode step per sequence.
 
-    Optional attributes ask the session for attention statistics, computed only when asked (absent
-    means not asked; see :mod:`pask.kv.stats` for shapes and cost): ``prefill_window: int = 0``
-    (attention of the last w prompt queries; ``pask.kv.stats.ALL`` for all of them),
-    ``prefill_value_norm: bool = False`` (``‖v W_o‖₁`` per prompt token), ``step_attention: bool =
-    False`` (the new query's attention over the held tokens after every decode step) and
-    ``step_scorer: Callable | None = None`` (a custom score over the held keys per decode step).
-    ``low_bits: int`` asks for a cache whose L tier holds codes of that width (4 by default; 2 for
-    KIVI-2, see :func:`pask.kv.cache.config_for`).
+    Every member is explicit (no caller probes with ``getattr``); :class:`PolicyBase` gives the
+    defaults of all but ``name``, ``budget`` and the two decision methods.
+
+    Budget. ``budget`` is the target measured B in (0, 1] the policy was built with, ``None`` when
+    it has none (Full KV, a static mix). ``target_b`` (read-only) is the B the policy aims at: a
+    PASK table's ``target_b`` (else its ``expected_b``), else ``budget``, else 1.0; KV-capacity
+    admission reserves a request's bytes at it (:mod:`pask.runtime.capacity`). Only
+    :class:`~pask.policies.pask.PaskPolicy` has a ``table`` (its :class:`~pask.policies.table.FrozenTable`);
+    it is not part of the protocol.
+
+    ``needs_tags``: the policy reads the structural tags of generated tokens and the labels of
+    prompt tokens (PASK), so the caller attaches a tagger and prompt labels to each request.
+    ``low_bits``: the code width of the cache's L tier the policy needs (2 for KIVI-2, 4 for
+    KIVI-4), ``None`` for any (the cache configuration's; see :func:`pask.kv.cache.config_for`).
+
+    Statistics the session computes only when asked (see :mod:`pask.kv.stats` for shapes and cost):
+    ``prefill_window`` (attention of the last w prompt queries; ``pask.kv.stats.ALL`` for all of
+    them; 0: none), ``prefill_value_norm`` (``‖v W_o‖₁`` per prompt token), ``step_attention`` (the
+    new query's attention over the held tokens after every decode step) and ``step_scorer`` (a
+    custom score over the held keys per decode step, or ``None``).
+
+    Per-sequence state. A policy instance normally serves one request, seen as row 0
+    (``SeqContext.seq``); a replay shares one instance over its rows, numbered by ``seq`` (distinct
+    among the live rows). A policy that keeps state per row (accumulated attention, a prefill
+    ranking, recurrence statistics) keys it by ``seq`` and drops it in :meth:`reset`. The decode
+    core calls ``reset(seq)`` right before a row's ``prefill_actions`` and again when the row
+    finishes, so the state of a reused instance stays bounded by its live rows; nothing is
+    cleared implicitly (in particular not when a new ``seq == 0`` arrives).
     """
 
     name: str
+    budget: float | None
+    needs_tags: bool
+    low_bits: int | None
+    prefill_window: int
+    prefill_value_norm: bool
+    step_attention: bool
+    step_scorer: Callable | None
+
+    @property
+    def target_b(self) -> float:
+        """The measured B the policy aims at (see the class docstring)."""
+        ...
+
+    def reset(self, seq: int) -> None:
+        """Forget the per-sequence state of row ``seq`` (a no-op for stateless policies)."""
+        ...
 
     def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
         """Actions for the prompt tokens outside the recent window (``ctx.leaving``)."""
@@ -76,3 +112,31 @@ class Policy(Protocol):
     def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
         """Final actions for the tokens that just left the recent window (``ctx.leaving``)."""
         ...
+
+
+class PolicyBase:
+    """Defaults of the :class:`Policy` members, for policies to inherit (no dataclass fields).
+
+    A subclass gives ``name``, ``budget`` (``None``: no target) and the two decision methods, and
+    overrides what differs: the statistics it asks for, ``needs_tags``, ``low_bits``, and
+    :meth:`reset` if it keeps per-sequence state. ``budget`` has no default here on purpose: a
+    dataclass field inherits a base class attribute as its default, which would make a required
+    ``budget`` optional.
+    """
+
+    needs_tags: bool = False
+    low_bits: int | None = None
+    prefill_window: int = 0
+    prefill_value_norm: bool = False
+    step_attention: bool = False
+    step_scorer: Callable | None = None
+
+    @property
+    def target_b(self) -> float:
+        """``budget``, or 1.0 for a policy without a target."""
+        budget = self.budget  # type: ignore[attr-defined]
+        return 1.0 if budget is None else float(budget)
+
+    def reset(self, seq: int) -> None:
+        """Forget the per-sequence state of row ``seq``: nothing to forget here."""
+        del seq

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 
 
-class FullPolicy:
-    """Everything stays H: no action is ever issued."""
+class FullPolicy(PolicyBase):
+    """Everything stays H: no action is ever issued (no budget target: ``target_b`` is 1)."""
 
     name = "full"
+    budget: float | None = None
 
     def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
         return []

@@ -9,11 +9,11 @@ import torch
 from pask.errors import PaskError
 from pask.kv.actions import Action
 from pask.policies._common import check_budget, h_count
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 
 
 @dataclass
-class KIVIPolicy:
+class KIVIPolicy(PolicyBase):
     """KIVI: a tuning-free asymmetric 2bit quantization for KV cache (Liu et al., ICML 2024).
 
     Every token outside a full-precision residual of the most recent tokens is quantised (the

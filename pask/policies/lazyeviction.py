@@ -19,7 +19,7 @@ from pask.policies._common import (
     need,
     release_to_count,
 )
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 
 NEVER = -1e18  # "last recurrence" of a token never attended above alpha
 
@@ -32,7 +32,7 @@ class _Rows:
 
 
 @dataclass
-class LazyEvictionPolicy:
+class LazyEvictionPolicy(PolicyBase):
     """LazyEviction: lagged KV eviction with attention pattern observation (Zhang et al., 2025, arXiv 2506.15969).
 
     A token *recurs* at a step when its attention from the new query is at least ``alpha``
@@ -71,7 +71,7 @@ class LazyEvictionPolicy:
 
     name: ClassVar[str] = "lazyeviction"
     step_attention: ClassVar[bool] = True
-    _rows: dict = field(default_factory=dict, init=False, repr=False)
+    _rows: dict = field(default_factory=dict, init=False, repr=False)  # per row ``seq``, dropped by reset
 
     def __post_init__(self) -> None:
         self.budget = check_budget(self.budget, self.name)
@@ -82,9 +82,11 @@ class LazyEvictionPolicy:
     def prefill_window(self) -> int:
         return self.window
 
+    def reset(self, seq: int) -> None:
+        """Forget row ``seq``'s recurrence statistics."""
+        self._rows.pop(seq, None)
+
     def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
-        if ctx.seq == 0:
-            self._rows.clear()
         att = need(ctx.prefill_attention, "prefill attention", self.name)
         p = ctx.prompt_len
         mean = group_scores(att, groups_of(ctx, att.shape[0]), "mean") / max(1, min(self.window, p))

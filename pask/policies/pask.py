@@ -23,7 +23,7 @@ import torch
 
 from pask.errors import PaskError
 from pask.kv.actions import Action
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 from pask.policies.table import FrozenTable, parse_action
 from pask.structure.tags import Bucket, PromptLabel, Tag
 
@@ -31,7 +31,7 @@ _H, _L, _R = int(Action.H), int(Action.L), int(Action.R)
 
 
 @dataclass
-class PaskPolicy:
+class PaskPolicy(PolicyBase):
     """Frozen-table retention (H / INT4 / release per bucket x layer group).
 
     Parameters
@@ -45,6 +45,13 @@ class PaskPolicy:
     decode : bool
         Apply the table to generated tokens; ``False`` keeps every generated token H
         ("Prefill-only" row of Table 17).
+
+    Notes
+    -----
+    The budget is the table's: ``budget`` is the table's ``target_b`` (``None`` for a table
+    calibrated without one) and ``target_b`` falls back to its ``expected_b``, then 1. ``table``
+    is PASK's own member, not part of the :class:`~pask.policies.base.Policy` protocol. The policy
+    keeps no per-sequence state (``reset`` does nothing): ``_rows`` is the table's lookup.
     """
 
     table: FrozenTable
@@ -65,6 +72,18 @@ class PaskPolicy:
         self._rows = {item: tuple(acts) for item, acts in rows.items()}
         # saved runs carry tags as strings: "class|role|state|next" finds the same row
         self._rows.update({str(item): acts for item, acts in self._rows.items() if isinstance(item, Tag)})
+
+    @property
+    def budget(self) -> float | None:
+        """The B the table was calibrated for (``None``: the table gives none)."""
+        return self.table.target_b
+
+    @property
+    def target_b(self) -> float:
+        """The table's ``target_b``, else its ``expected_b``, else 1."""
+        t = self.table
+        b = t.target_b if t.target_b is not None else t.expected_b
+        return 1.0 if b is None else float(b)
 
     # -- lookup ---------------------------------------------------------------------------------
     def actions_of(self, item) -> tuple[int, ...]:

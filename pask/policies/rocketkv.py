@@ -20,7 +20,7 @@ from pask.policies._common import (
     need,
     release_to_count,
 )
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 from pask.policies.snapkv import window_scores
 
 
@@ -62,7 +62,7 @@ def hsa_scores(
 
 
 @dataclass
-class RocketKVPolicy:
+class RocketKVPolicy(PolicyBase):
     """RocketKV: accelerating long-context LLM inference via two-stage KV cache compression (Behnam et al.,
     ICML 2025).
 

@@ -6,19 +6,21 @@ import torch
 
 from pask.errors import PaskError
 from pask.kv.actions import Action
-from pask.policies.base import ActionSpec, SeqContext
+from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 
 GOLDEN = 0.6180339887498949  # frac(p * golden) is a low-discrepancy sequence over positions
 
 
-class StaticMixPolicy:
+class StaticMixPolicy(PolicyBase):
     """Token at position ``p`` gets H if ``u < h``, L if ``u < h + l``, else R, with ``u = frac(p * φ⁻¹)``.
 
     Deterministic, the same in every layer group, and well mixed: over any N consecutive
     positions each fraction is met within O(log N / N). Tokens in the recent window stay H.
+    A reference, not budget-controlled: no ``budget`` target (``target_b`` is 1).
     """
 
     name = "static_mix"
+    budget: float | None = None
 
     def __init__(self, h: float = 1 / 3, l: float = 1 / 3, r: float = 1 / 3):  # noqa: E741
         fracs = (float(h), float(l), float(r))

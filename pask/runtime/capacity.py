@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pask.errors import PaskError
+from pask.policies.base import Policy
 
 
 class CapacityError(PaskError):
@@ -84,10 +85,7 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def policy_target_b(policy) -> float:
-    """The budget a policy aims at: its ``budget``, a PASK table's target (or expected) B, else 1."""
-    b = getattr(policy, "budget", None)
-    table = getattr(policy, "table", None)
-    if b is None and table is not None:
-        b = table.target_b if table.target_b is not None else table.expected_b
-    return float(b) if b is not None else 1.0
+def policy_target_b(policy: Policy) -> float:
+    """The budget a policy aims at: its :attr:`Policy.target_b <pask.policies.base.Policy>` (a PASK
+    table's target (or expected) B, else its ``budget``, else 1)."""
+    return float(policy.target_b)

@@ -3,7 +3,9 @@
 :func:`decode_with_policy` prefills each row alone and decodes up to ``max_new_tokens`` per row with
 :meth:`pask.runtime.scheduler.Scheduler.step`, like every other decode path; a ``next_token_fn``
 replaces the greedy choice (teacher forcing), one policy instance is shared by the rows (it sees
-row ``r`` as ``SeqContext.seq == r``). Rows that finish while others go on are dropped (their
+row ``r`` as ``SeqContext.seq == r``; the scheduler calls ``policy.reset(r)`` before row ``r``'s
+prefill decisions and when the row finishes, so an instance reused over many replays keeps no
+state of earlier ones). Rows that finish while others go on are dropped (their
 bytes are freed; the budget keeps their final numbers); the rows that finish last stay in the
 returned cache, which shows their final state.
 """

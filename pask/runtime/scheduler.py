@@ -25,7 +25,10 @@ condition and row of one running :class:`~pask.kv.cache.TieredCache`. One :meth:
 
 Full KV is the ``full`` policy (everything H) on the same cache, so every method runs one code
 path. A policy instance normally serves one request and sees it as row 0 (``SeqContext.seq``);
-a replay may share one instance over its rows (``Job.seq``).
+a replay may share one instance over its rows (``Job.seq``, distinct among the live jobs). The
+policy's per-row state is reset (:meth:`Policy.reset <pask.policies.base.Policy>`) right before
+a job's prefill decisions and again when the job is done, so a reused instance holds state for
+its live rows only.
 
 Every row's arithmetic is independent of its batch-mates: each prompt is prefilled alone, and the
 decode step's linears, attention and LM head compute each row the same way whatever the other
@@ -45,6 +48,7 @@ from typing import Any
 
 import torch
 
+from pask.errors import PaskError
 from pask.kv import stats
 from pask.kv.attention import enable_pask_attention
 from pask.kv.budget import CostModel
@@ -168,9 +172,14 @@ class Scheduler:
         self.keep_last = keep_last
         self.store = store if store is not None else PrefillStore.from_env(self.model)
         probe = policy_factory()
+        if not isinstance(probe, Policy):
+            raise PaskError(
+                f"{type(probe).__name__} does not implement the Policy protocol (pask.policies.base.Policy; "
+                "inherit pask.policies.base.PolicyBase for its defaults)"
+            )
         self.config = config_for(probe, cache_config or CacheConfig(headroom=SERVE_HEADROOM))
-        self.policy_name = getattr(probe, "name", type(probe).__name__)
-        self.needs_tags = bool(getattr(probe, "needs_tags", False))
+        self.policy_name = probe.name
+        self.needs_tags = probe.needs_tags
         self.stats_request = StatsRequest.of(probe)
         dtype = next(self.model.parameters()).dtype
         per_token = kv_bytes_per_token(self.model.config, dtype)
@@ -312,6 +321,7 @@ class Scheduler:
         extra = {}
         if collector is not None:
             extra["prefill_attention"], extra["prefill_value_norm"] = collector.take_prefill(0)
+        job.policy.reset(job.seq)  # a fresh row: nothing of an earlier row with this seq
         job.decided = decide_row(
             cache,
             0,
@@ -407,6 +417,7 @@ class Scheduler:
 
     def _done(self, job: Job) -> None:
         job.t_finish = time.perf_counter()
+        job.policy.reset(job.seq)  # its row is decided no more: drop the policy's state of it
         if job.stop != "cancelled" and self.tok is not None:
             with self.tokenizer_lock:
                 job.result = make_generation(

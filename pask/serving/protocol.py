@@ -12,7 +12,8 @@ Grammar by request:
 Forced tool calls and JSON close their structure in the last quarter of ``max_tokens`` (at most
 ``CLOSE_MARGIN`` tokens: the engine's closing phase); ``auto`` and text requests are not closed
 early. Every problem with a request is a :class:`RequestError` carrying its HTTP status and an
-OpenAI-style error body.
+OpenAI-style error body; tool schemas are checked first (:func:`pask.tasks.function_calling.check_tools`),
+so a contradictory one is a 400 naming the tool and the property.
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ import jsonschema
 from pask.errors import PaskError
 from pask.runtime.tokens import Request, eos_ids
 from pask.structure.constraint import Constraint, SchemaError, lark_json, ll_tokenizer
-from pask.tasks.function_calling import TOOL_CALL_OPEN, FunctionCase, build_grammar, build_prompt, marker, parse_calls
+from pask.tasks.function_calling import (
+    TOOL_CALL_OPEN,
+    FunctionCase,
+    build_grammar,
+    build_prompt,
+    check_tools,
+    marker,
+    parse_calls,
+)
 
 DEFAULT_MAX_TOKENS = 256
 CLOSE_MARGIN = 128  # closing phase of tool / JSON requests: at most this many last tokens, a quarter of max_tokens
@@ -128,6 +137,10 @@ def _tools(body: dict) -> list[dict]:
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         raise RequestError("tool names must be unique", param="tools")
+    try:  # a contradictory schema: a 400 naming the tool and property, before any grammar is built
+        check_tools(out)
+    except PaskError as e:
+        raise RequestError(str(e), param="tools") from None
     return out
 
 
