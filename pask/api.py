@@ -84,18 +84,26 @@ def generate(
     max_new_tokens: int = 384,
     allow_transfer: bool = False,
     save_tags: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
 ) -> Result:
     """Generate one reply under the tool-call grammar (``tools``: the reply is one or more calls) or
     a JSON schema (``response_format``: ``{"type": "json_schema", "json_schema": {"schema": ...}}``),
     with the KV ``policy`` at ``budget`` (``"full"``: Full KV; ``"pask"`` uses ``table`` or the
     committed table for the model and budget; ``allow_transfer``: accept a table calibrated on another
     model). ``save_tags``: the result's ``tags`` hold each generated token's structural tag (tool
-    requests). Schemas are checked before anything runs."""
+    requests). ``temperature`` 0 (the default) decodes greedily; above 0 (up to 2) tokens are sampled
+    from the grammar-masked distribution within the ``top_p`` nucleus, from a stream seeded with
+    ``seed`` (None: a fresh random seed), so a fixed seed reproduces. Schemas and sampling
+    parameters are checked before anything runs."""
     from pask.runtime.engine import generate as run
+    from pask.runtime.tokens import check_sampling
     from pask.serving.protocol import attach_tagging, build_chat_request, tool_calls_of
     from pask.structure.schema_check import check_response_format
     from pask.tasks.function_calling import check_tools
 
+    check_sampling(temperature, top_p, seed)
     if tools:
         check_tools(tools)
     if response_format is not None:
@@ -111,6 +119,7 @@ def generate(
     if response_format is not None:
         body["response_format"] = response_format
     chat = build_chat_request(body, lm.tokenizer, "pask", max_new_tokens)
+    chat.request.temperature, chat.request.top_p, chat.request.seed = temperature, top_p, seed
     if save_tags or (kv is not None and getattr(kv, "needs_tags", False)):
         attach_tagging(chat, lm.tokenizer)
     (g,) = run(lm, [chat.request], policy=kv)

@@ -14,8 +14,9 @@ condition and row of one running :class:`~pask.kv.cache.TieredCache`. One :meth:
 2. waiting requests are admitted while their KV reservation fits the capacity
    (:mod:`pask.runtime.capacity`): each is prefilled alone into a fresh cache, the policy decides
    its prompt tokens, and its row moves into the running cache (:meth:`TieredCache.adopt`);
-3. every running request takes its next token (greedy under its grammar, with the engine's
-   closing phase: :func:`pask.runtime.tokens.pick_tokens`, :func:`pask.runtime.tokens.accept_token`);
+3. every running request takes its next token (greedy under its grammar, or sampled from its own
+   seeded stream ``Job.rng``, with the engine's closing phase: :func:`pask.runtime.tokens.pick_tokens`,
+   :func:`pask.runtime.tokens.accept_token`);
 4. finished requests record their budget and free their rows; the running cache is rebuilt
    without them (:meth:`TieredCache.compacted`, storage moves by reference);
 5. one decode forward over the remaining rows, then each request's policy decides the tokens
@@ -67,6 +68,7 @@ from pask.runtime.tokens import (
     closing_tokens,
     eos_ids,
     make_generation,
+    new_generator,
     pick_tokens,
     plan_head,
 )
@@ -94,6 +96,7 @@ class Job:
     choose: Callable[[torch.Tensor], int] | None = None  # overrides the greedy choice (teacher forcing)
     stop_ids: frozenset[int] = frozenset()  # tokens that stop the job and are recorded (replays)
     reserved: int = 0  # KV bytes reserved at admission
+    rng: torch.Generator | None = None  # the sampling stream of a request with temperature > 0 (set at submission)
     row: int | None = None  # row in the running cache while running
     generated: list[int] = field(default_factory=list)
     tags: list = field(default_factory=list)
@@ -224,6 +227,8 @@ class Scheduler:
         r = job.request
         job.reserved = self.check(len(r.prompt_ids), r.max_new_tokens)
         job.policy = self.policy_factory()
+        if r.sampled and job.rng is None:  # one stream per request, drawn on across its steps
+            job.rng = new_generator(r.seed)
         job.history = list(r.prompt_ids)
         job.t_submit = job.t_submit or time.perf_counter()
         self.waiting.append(job)
@@ -256,9 +261,9 @@ class Scheduler:
                 bitmask[i] = job.next_mask
         fresh = [j.next_mask is not None for j in jobs]
         requests = [j.request for j in jobs]
-        nxt = pick_tokens(
-            logits, requests, [j.generated for j in jobs], [True] * len(jobs), bitmask, self.closers, masked=fresh
-        )
+        generated, rngs = [j.generated for j in jobs], [j.rng for j in jobs]
+        live = [True] * len(jobs)
+        nxt = pick_tokens(logits, requests, generated, live, bitmask, self.closers, masked=fresh, rngs=rngs)
         for i, job in enumerate(jobs):
             if job.choose is not None:
                 nxt[i] = job.choose(logits[i])

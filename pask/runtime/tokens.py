@@ -1,5 +1,6 @@
-"""The token rules of the decode core: requests and generations, greedy choice under the grammar
-(masks, closing phase), recording a token and its stop reason, the masked head's plan.
+"""The token rules of the decode core: requests and generations, the choice of each token under
+the grammar (greedy, or sampled with ``temperature`` / ``top_p`` / ``seed``; masks, closing phase),
+recording a token and its stop reason, the masked head's plan.
 
 :class:`pask.runtime.scheduler.Scheduler` applies them in its step; :func:`pask.runtime.engine.generate`
 (static batches) and every other decode path go through that step.
@@ -7,18 +8,55 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pask.errors import PaskError
 from pask.structure.constraint import Constraint, apply_mask
+
+MAX_TEMPERATURE = 2.0
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+
+
+def check_sampling(temperature: Any, top_p: Any, seed: Any) -> None:
+    """PaskError naming the field if ``temperature`` is not in [0, 2], ``top_p`` not in (0, 1] or
+    ``seed`` not a non-negative integer (or None). Booleans are not numbers here."""
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise PaskError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}")
+    if not number(top_p) or not 0 < top_p <= 1:
+        raise PaskError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+        raise PaskError(f"seed must be a non-negative integer (below 2**64) or None, got {seed!r}")
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    """The random stream of one sampled request: seeded with ``seed``, or with a fresh random seed
+    when None (``generator.initial_seed()`` tells which)."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
 
 
 @dataclass
 class Request:
-    """One generation request: prompt token ids and an optional grammar constraint."""
+    """One generation request: prompt token ids and an optional grammar constraint.
+
+    ``temperature`` 0 (the default, and what evaluations use) decodes greedily; above 0 each token
+    is drawn from the grammar-masked distribution at that temperature, restricted to the ``top_p``
+    nucleus, from a random stream seeded with ``seed`` (None: a fresh random seed). See
+    :func:`pick_tokens`.
+    """
 
     prompt_ids: list[int]
     constraint: Constraint | None = None
@@ -27,6 +65,17 @@ class Request:
     close_margin: int = 128  # last tokens of the allowance spent closing the structure (see closing_tokens)
     tagger: Any = None  # structural tagger: ``step(token_bytes) -> Tag`` (JsonCallTagger, SqlTagger)
     prompt_labels: list | None = None  # semantic label per prompt token (for policies and --save-tags)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling (with temperature > 0)
+    seed: int | None = None  # seed of the sampling stream (None: a fresh random seed)
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_p, self.seed)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether tokens are drawn (temperature > 0) rather than taken greedily."""
+        return self.temperature > 0
 
 
 @dataclass
@@ -74,11 +123,18 @@ def pick_tokens(
     bitmask: torch.Tensor,
     closers: torch.Tensor,
     masked: bool | list[bool] = False,
+    rngs: list[torch.Generator | None] | None = None,
 ) -> list[int]:
-    """Greedy next token of each row under its grammar (``bitmask`` from ``allocate_mask``, >= rows).
+    """Next token of each row under its grammar (``bitmask`` from ``allocate_mask``, >= rows).
 
     ``masked``: ``bitmask`` already holds the live constrained rows' masks for this step (one flag
     for all rows, or one per row).
+
+    A row whose request has ``temperature`` 0 takes the argmax of its masked logits (greedy). A
+    live row with ``temperature`` > 0 draws its token (:func:`sample_token`) from ``rngs[i]``, its
+    request's own stream (:func:`new_generator`), kept by the caller across steps so the draws go on
+    rather than restart; each row's draw depends on its own logits and stream only, never on its
+    batch-mates.
 
     A live row in its closing phase (the last ``close_margin`` tokens of its allowance) takes the
     first legal token of ``closers`` instead (see :func:`closing_tokens`). Rows that are not live get
@@ -94,6 +150,12 @@ def pick_tokens(
             bitmask[i].fill_(-1)
     apply_mask(logits, bitmask[: len(requests)])
     nxt = logits.argmax(-1).tolist()
+    for i, r in enumerate(requests):
+        if live[i] and r.sampled:
+            rng = rngs[i] if rngs is not None else None
+            if rng is None:
+                raise ValueError("a sampled request needs its random stream: pass rngs (see new_generator)")
+            nxt[i] = sample_token(logits[i], r.temperature, r.top_p, rng, greedy=nxt[i])
     for i, r in enumerate(requests):  # near the token limit: close the structure, don't truncate
         closing = len(generated[i]) >= r.max_new_tokens - r.close_margin
         if live[i] and r.constraint is not None and closing:
@@ -104,6 +166,41 @@ def pick_tokens(
                     nxt[i] = c
                     break
     return nxt
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator, greedy: int) -> int:
+    """Draw one token from a row's masked FP32 ``logits`` (disallowed tokens ``-inf``).
+
+    The allowed logits are scaled by ``1 / temperature`` (after subtracting their maximum, so a tiny
+    temperature cannot overflow), turned into probabilities, and cut to the nucleus: the most
+    probable tokens (ties in token order) down to the first whose cumulative probability reaches
+    ``top_p``. One uniform number from ``rng`` then picks a token by inverse CDF. When only one
+    token remains (a grammar step with one legal token, or a nucleus of one) it is taken without
+    a draw, so it costs nothing and is the greedy token ``greedy``; the stream is then consumed only
+    on real choices, which are the same ones in any batch.
+    """
+    ids = torch.isfinite(logits).nonzero()[:, 0]
+    if ids.numel() <= 1:
+        return greedy
+    x = logits[ids]
+    p = torch.softmax((x - x.max()) / temperature, dim=-1)
+    if top_p < 1:
+        p, order = torch.sort(p, descending=True, stable=True)
+        ids = ids[order]
+        cum = torch.cumsum(p, dim=-1)
+        keep = int(((cum - p) < top_p).sum())  # at least the most probable token
+        if keep == 1:
+            return greedy
+        p, ids = p[:keep], ids[:keep]
+    nz = p > 0  # probabilities that underflowed are never drawn
+    if not bool(nz.all()):
+        p, ids = p[nz], ids[nz]
+    if ids.numel() == 1:  # every other probability underflowed: the maximum is left
+        return greedy
+    cum = torch.cumsum(p, dim=-1)
+    u = torch.rand((), generator=rng, dtype=torch.float64)
+    j = int(torch.searchsorted(cum.double(), u * cum[-1].double(), right=True))
+    return int(ids[min(j, ids.numel() - 1)])
 
 
 def accept_token(r: Request, t: int, generated: list[int], tags: list, eos: set[int], token_bytes) -> str | None:
