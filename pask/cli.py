@@ -347,13 +347,17 @@ def eval_task(
     table: TableOpt = None,
     allow_transfer: TransferOpt = False,
     prefill_store: PrefillStoreOpt = None,
+    force: Annotated[
+        bool, typer.Option(help="--out holds results made with other settings: discard them and start over")
+    ] = False,
 ) -> None:
     """Evaluate a model + KV policy on TASK; writes cases.jsonl, summary.json and summary.md.
 
     bfcl: accuracy per category (paper Table 1); sql: execution accuracy per difficulty (Table 12).
-    Rerun with the same --out to resume.
+    Rerun with the same --out to resume; a folder made with other settings (settings.json) is
+    refused unless --force.
     """
-    from pask.evaluation.runner import run_task
+    from pask.evaluation.runner import check_settings, run_task
     from pask.runtime.models import load_model
     from pask.tasks import get_task
 
@@ -369,6 +373,8 @@ def eval_task(
         raise PaskError(f"no {task} cases in split '{split}'" + "".join(f" for {k} {v}" for k, v in given.items()))
     build = _policy_builder(task, policy, budget, policy_config, table, allow_transfer)
     out = out or Path("runs") / f"{task}-{model.replace('/', '_')}-{policy}-{split}"
+    settings = _eval_settings(t, model, policy, budget, policy_config, table, split, max_new_tokens, dtype, options)
+    check_settings(out, settings, force)  # before the model loads; run_task checks again (a no-op)
     _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
     kv_policy = build(lm)
@@ -378,10 +384,36 @@ def eval_task(
     summary = _with_progress(
         f"{task} {policy}",
         len(cases),
-        lambda advance: run_task(t, lm, cases, out, *args, advance, meta, save_tags, batching, **options),
+        lambda advance: run_task(
+            t, lm, cases, out, *args, advance, meta, save_tags, batching, settings, force, **options
+        ),
     )
     print(t.markdown(summary, meta))
     console.print(f"results: {out}/")
+
+
+def _eval_settings(t, model, policy, budget, policy_config, table, split, max_new_tokens, dtype, options) -> dict:
+    """What an eval's rows depend on (``out/settings.json``); not the limit, batching or threads,
+    which only choose and schedule the cases."""
+    try:
+        config = json.loads(policy_config) if policy_config is not None else None
+    except json.JSONDecodeError:
+        config = policy_config
+    local = Path(model)
+    return {
+        "task": t.name,
+        "split": split,
+        "model": str(local.resolve()) if local.is_dir() else model,
+        "policy": policy,
+        "budget": budget,
+        "policy_config": config,
+        "table_sha256": file_sha256(Path(table)) if policy == "pask" and table is not None else None,
+        "max_new_tokens": max_new_tokens or t.default_max_new_tokens,
+        "dtype": str(_dtype(dtype)).removeprefix("torch."),
+        "options": {
+            k: str(Path(v).resolve()) if k in t.path_options and v is not None else v for k, v in options.items()
+        },
+    }
 
 
 # the task options with a flag of their own on `pask eval` (any other: --option KEY=VALUE)
@@ -814,11 +846,30 @@ def serve(
     prefill_store: PrefillStoreOpt = None,
     dtype: str = "bf16",
     threads: int | None = None,
+    max_body_bytes: Annotated[int, typer.Option(help="larger request bodies get 413")] = 1 << 20,
+    max_queue: Annotated[int, typer.Option(help="requests waiting to decode; one more gets 429")] = 64,
+    request_timeout: Annotated[
+        float, typer.Option(help="seconds from arrival; later requests are cancelled (504); 0: none")
+    ] = 300.0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="PASK_API_KEY", show_default=False, help="require 'Authorization: Bearer KEY' on /v1/* (401)"
+        ),
+    ] = None,
+    docs: Annotated[bool, typer.Option(help="serve /docs, /redoc and /openapi.json")] = False,
 ) -> None:
     """OpenAI-compatible server (/v1/chat/completions, /v1/models, /health, /metrics) with continuous batching."""
-    from pask.serving.server import Service
+    from pask.serving.server import Limits, Service
     from pask.serving.server import serve as run_server
 
+    limits = Limits(  # checks the values before the model loads
+        max_body_bytes=max_body_bytes,
+        max_queue=max_queue,
+        request_timeout=request_timeout or None,
+        api_key=api_key or None,
+        docs=docs,
+    )
     if budget is not None:
         check_budget(budget, "--budget")
     if capacity_tokens is not None and capacity_tokens < 1:
@@ -830,7 +881,11 @@ def serve(
     _threads(threads, prefill_store)
     lm = _serving_model(model, dtype)
     factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)
-    service = Service.build(lm, factory, capacity_tokens, max_batch=max_batch, default_max_tokens=max_tokens)
+    service = Service.build(
+        lm, factory, capacity_tokens, max_batch=max_batch, default_max_tokens=max_tokens, limits=limits
+    )
+    if limits.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]warning:[/] listening on {host} without an API key (--api-key or $PASK_API_KEY)")
     console.print(f"serving {lm.name} with policy {policy} on http://{host}:{port}/v1")
     run_server(service, host, port)
 

@@ -8,11 +8,18 @@ table) are written from the rows of the cases asked for. Decoding goes through
 :func:`pask.runtime.engine.generate` (``batching="static"``: batches of ``batch_size`` in order of
 prompt length, flushed per batch) or :func:`pask.evaluation.continuous.decode_continuous`
 (``"continuous"``: at most ``batch_size`` running, a freed row takes the next case, flushed per case).
+
+Given ``settings`` (what changes a case's row: ``pask eval`` passes task, split, model, policy,
+budget, policy configuration, PASK table hash, max_new_tokens, dtype and the task's options),
+:func:`run_task` first checks them against ``out_dir/settings.json`` (:func:`check_settings`): rows
+made with other settings are never resumed. Without ``settings`` (the sweep, calibration, tuning,
+which keep their own identity checks) nothing is checked or written.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +100,64 @@ def summarize(task: Task, rows: list[dict]) -> dict:
     return {**task.summarize(rows), **measured_budgets(rows)}
 
 
+SETTINGS_FILE = "settings.json"
+RESULT_FILES = ("cases.jsonl", "summary.json", "summary.md")  # what --force discards
+
+
+def _normalised(settings: dict) -> dict:
+    """``settings`` as JSON would read them back (tuples as lists, paths as strings)."""
+    return json.loads(json.dumps(settings, default=str))
+
+
+def settings_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``"key: folder X, now Y"`` for each setting that differs (nested dicts key by key)."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += settings_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: folder {json.dumps(a)}, now {json.dumps(b)}")
+    return out
+
+
+def check_settings(out_dir: Path, settings: dict, force: bool = False) -> None:
+    """Make sure the rows in ``out_dir`` were made with ``settings`` before a run resumes there.
+
+    ``out_dir/settings.json`` records the settings of the rows in the folder; it is written before
+    the first row. Same settings: nothing to do (the run resumes). No rows yet: the settings are
+    (re)written. Rows made with other settings, or rows without a settings record (a folder from
+    before pask recorded them): :class:`PaskError` naming the differing settings, unless ``force``,
+    which discards the folder's results (``cases.jsonl``, ``summary.json``, ``summary.md``; other
+    files stay) so that the run starts over. Calling it again with the same settings is a no-op.
+    """
+    out_dir = Path(out_dir)
+    settings = _normalised(settings)
+    path = out_dir / SETTINGS_FILE
+    old = None
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            old = None
+        if not isinstance(old, dict):
+            old = {SETTINGS_FILE: "unreadable"}
+        if old == settings:
+            return
+    if read_done(out_dir / "cases.jsonl") and not force:
+        fix = "pass --force to discard its results and start over, or choose another --out"
+        if old is None:
+            raise PaskError(f"{out_dir} holds results without a record of their settings ({SETTINGS_FILE}); {fix}")
+        diffs = "\n  ".join(settings_differences(old, settings))
+        raise PaskError(f"{out_dir} holds results made with other settings; {fix}:\n  {diffs}")
+    for name in RESULT_FILES:
+        (out_dir / name).unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{SETTINGS_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
 def run_task(
     task: Task,
     lm: LoadedModel | None,
@@ -105,6 +170,8 @@ def run_task(
     meta: dict | None = None,
     save_tags: bool = False,
     batching: str = "static",
+    settings: dict | None = None,
+    force: bool = False,
     **options: Any,
 ) -> dict:
     """Evaluate ``cases`` of ``task`` into ``out_dir`` (resuming there) and write the summary; return it.
@@ -112,7 +179,9 @@ def run_task(
     ``max_new_tokens``: default the task's; ``policy``: a fresh KV policy (None: Full KV);
     ``progress(n)``: called with the cases already done, then as cases finish; ``meta``: the run
     record's fields (model, policy, command, ...); ``save_tags``: store per-token tags and prompt
-    labels in the rows; ``batching``: ``"static"`` or ``"continuous"``; ``options``: the task's
+    labels in the rows; ``batching``: ``"static"`` or ``"continuous"``; ``settings``: what the rows
+    depend on, checked against and recorded in ``out_dir/settings.json`` (:func:`check_settings`,
+    ``force``: discard rows made with other settings; None: no check); ``options``: the task's
     options (defaults filled in). Given only finished cases, ``lm`` is not touched (may be None).
     """
     if batch_size < 1:
@@ -125,6 +194,8 @@ def run_task(
     options = task.resolve_options(options)
     tagging = save_tags or (policy is not None and policy.needs_tags)
     out_dir = Path(out_dir)
+    if settings is not None:
+        check_settings(out_dir, settings, force)
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "cases.jsonl"
     repair_jsonl(jsonl)
@@ -180,4 +251,15 @@ def write_summary(task: Task, out_dir: Path, cases: list, n_run: int, wall: floa
     return summary
 
 
-__all__ = ["case_row", "error_row", "prepare", "run_task", "summarize", "write_summary"]
+__all__ = [
+    "RESULT_FILES",
+    "SETTINGS_FILE",
+    "case_row",
+    "check_settings",
+    "error_row",
+    "prepare",
+    "run_task",
+    "settings_differences",
+    "summarize",
+    "write_summary",
+]
