@@ -249,6 +249,7 @@ def server(smol):
 
 def _post(url: str, body: dict | bytes, **kw) -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    kw.setdefault("headers", {"content-type": "application/json"})
     return httpx.post(f"{url}/v1/chat/completions", content=data, timeout=120, **kw)
 
 

@@ -56,7 +56,12 @@ def test_unsatisfiable_tool_schema_is_a_400_naming_tool_and_property(server, cas
     url, service = server
     prop, words = UNSATISFIABLE[case]
     before = service.metrics.requests.get("rejected", 0)
-    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(_body(prop, tool_choice=choice)), timeout=60)
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        content=json.dumps(_body(prop, tool_choice=choice)),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == "tools"

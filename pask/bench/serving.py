@@ -269,9 +269,11 @@ def run_policy(
     import uvicorn
 
     from pask.cpu import openmp
-    from pask.serving.server import Service, create_app
+    from pask.serving.server import Limits, Service, create_app
 
-    service = Service.build(lm, factory, cfg.capacity_tokens, default_max_tokens=cfg.output_len)
+    # a load test measures the decode, not the server's guards: no deadline, room for every client
+    limits = Limits(request_timeout=None, max_queue=max(64, 2 * cfg.concurrency))
+    service = Service.build(lm, factory, cfg.capacity_tokens, default_max_tokens=cfg.output_len, limits=limits)
     openmp.release_pool()  # whatever this thread ran in parallel since: see pask.cpu.openmp
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))

@@ -21,7 +21,8 @@ class Metrics:
 
     model: str = ""
     policy: str = ""
-    requests: dict[str, int] = field(default_factory=dict)  # by outcome: ok | cancelled | error | rejected
+    # by outcome: ok | cancelled | timeout | error | rejected | unauthorized | overloaded | unavailable
+    requests: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     tpot_sum_s: float = 0.0
@@ -37,9 +38,9 @@ class Metrics:
         with self._lock:
             self.requests[outcome] = self.requests.get(outcome, 0) + 1
 
-    def observe(self, job) -> None:
-        """Record a finished :class:`~pask.runtime.scheduler.Job`."""
-        outcome = "ok" if job.stop not in ("cancelled", "error") else job.stop
+    def observe(self, job, outcome: str | None = None) -> None:
+        """Record a finished :class:`~pask.runtime.scheduler.Job` (``outcome``: instead of the one its stop implies)."""
+        outcome = outcome or ("ok" if job.stop not in ("cancelled", "error") else job.stop)
         n = len(job.generated)
         with self._lock:
             self.requests[outcome] = self.requests.get(outcome, 0) + 1

@@ -3,21 +3,34 @@
 Handlers validate a request (:mod:`pask.serving.protocol`; 4xx with an OpenAI error body on bad
 input), check it against the KV capacity and hand it to the decode thread
 (:class:`~pask.serving.worker.Worker`), then await its end or stream its tokens as server-sent
-events (``chat.completion.chunk`` objects, ending with ``data: [DONE]``). A streaming client that
-disconnects cancels its request: its cache rows are freed at the next step boundary.
+events (``chat.completion.chunk`` objects, ending with ``data: [DONE]``). A client that
+disconnects cancels its request, streamed or not: its cache rows are freed at the next step boundary.
+
+:class:`Limits` holds the controls (``pask serve`` options; docs/serving.md, "Limits and
+controls"), checked in this order: the API key of ``/v1/*`` (401), a JSON Content-Type on POST
+(415), the body size, from Content-Length and then as the body arrives (413), the queue of
+requests not yet decoding (429 with ``Retry-After``), validation (400 / 404), a live decode
+thread (503) and the deadline from arrival (504; a stream that already began ends with an error
+event instead). Parsing, chat templating, tokenisation and grammar compilation run in a worker
+thread, never on the event loop, so ``/health`` answers while a large body is processed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 
+from pask.errors import PaskError
 from pask.runtime.capacity import CapacityError
 from pask.runtime.models import LoadedModel
 from pask.runtime.scheduler import Job, Scheduler
@@ -39,14 +52,83 @@ from pask.serving.protocol import (
 from pask.serving.worker import Worker
 from pask.tasks.function_calling import TOOL_CALL_OPEN
 
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, far above the served models' contexts
+MAX_QUEUE = 64  # requests accepted but not yet decoding
+REQUEST_TIMEOUT_S = 300.0
+RETRY_AFTER_S = 2  # the Retry-After of a 429
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
+
+
+@dataclass
+class Limits:
+    """The server's limits and access controls (read at every request; docs/serving.md, "Limits and controls").
+
+    ``max_body_bytes``: larger bodies get 413. ``max_queue``: requests accepted but not yet
+    decoding (being validated or waiting for admission); one more gets 429. ``request_timeout``:
+    seconds from arrival to the last token (None or 0: no deadline); past it the request is
+    cancelled (504, or an error event in a stream). ``api_key``: when set, ``/v1/*`` needs
+    ``Authorization: Bearer <key>`` (401). ``docs``: serve ``/docs``, ``/redoc`` and
+    ``/openapi.json`` (read when the app is created).
+    """
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_queue: int = MAX_QUEUE
+    request_timeout: float | None = REQUEST_TIMEOUT_S
+    api_key: str | None = None
+    docs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise PaskError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_queue < 1:
+            raise PaskError(f"--max-queue must be >= 1, got {self.max_queue}")
+        if self.request_timeout is not None and not self.request_timeout >= 0:
+            raise PaskError(f"--request-timeout must be >= 0 (0: no deadline), got {self.request_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise PaskError("the API key is empty")
+
+
+class Refusal(Exception):
+    """A request refused before or instead of decoding: status, OpenAI-style error body, metrics outcome."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        outcome: str = "rejected",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code, self.outcome, self.headers = status, kind, code, outcome, headers
+
+    def response_body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
+
+
+def _timeout(seconds: float | None) -> Refusal:
+    return Refusal(
+        504,
+        f"the request did not finish within the server's deadline of {seconds:g} s",
+        "timeout_error",
+        "request_timeout",
+        "timeout",
+    )
+
 
 @dataclass
 class Service:
-    """What the app serves: one model, its scheduler (behind the decode thread) and the metrics."""
+    """What the app serves: one model, its scheduler (behind the decode thread), the metrics and the limits."""
 
     lm: LoadedModel
     worker: Worker
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    limits: Limits = field(default_factory=Limits)
+    preparing: int = field(default=0, init=False)  # requests past the queue check, not yet handed to the worker
 
     @property
     def scheduler(self) -> Scheduler:
@@ -58,11 +140,17 @@ class Service:
 
     @classmethod
     def build(cls, lm: LoadedModel, policy_factory: Callable, capacity_tokens: int | None = None, **kw) -> Service:
-        """A scheduler and its worker (not started) for ``lm``; ``kw``: Scheduler options and default_max_tokens."""
+        """A scheduler and its worker (not started) for ``lm``; ``kw``: Scheduler options, default_max_tokens
+        and limits (a :class:`Limits`; default: ``Limits()``)."""
         default = kw.pop("default_max_tokens", DEFAULT_MAX_TOKENS)
+        limits = kw.pop("limits", None) or Limits()
         scheduler = Scheduler(lm, policy_factory, capacity_tokens, **kw)
         metrics = Metrics(model=lm.name, policy=scheduler.policy_name)
-        return cls(lm, Worker(scheduler, metrics), default)
+        return cls(lm, Worker(scheduler, metrics), default, limits)
+
+    def queue_depth(self) -> int:
+        """Requests accepted and not yet decoding: being validated, or waiting for admission."""
+        return self.preparing + self.worker.waiting()
 
     def prepare(self, body: dict) -> ChatRequest:
         """Validate a body, fit max_tokens to the capacity, attach tagging (RequestError on bad input)."""
@@ -86,8 +174,69 @@ class Service:
         return chat
 
 
+class _Guard:
+    """ASGI middleware: the API key of ``/v1/*`` (401), a JSON Content-Type on POST (415), a
+    Content-Length over the limit (413), all before the app reads anything."""
+
+    def __init__(self, app, service: Service) -> None:
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            try:
+                self.check(scope)
+            except Refusal as e:
+                self.service.metrics.count(e.outcome)
+                await e.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def check(self, scope) -> None:
+        lim, headers = self.service.limits, Headers(scope=scope)
+        path = scope["path"]
+        if lim.api_key and (path == "/v1" or path.startswith("/v1/")):
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), lim.api_key.encode()):
+                raise Refusal(
+                    401,
+                    "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    outcome="unauthorized",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if scope["method"] != "POST":
+            return
+        media = headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise Refusal(
+                415, f"Content-Type must be application/json, got '{media or 'none'}'", code="unsupported_media_type"
+            )
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                raise Refusal(400, f"bad Content-Length '{length}'")
+            if int(length) > lim.max_body_bytes:
+                raise _too_large(lim.max_body_bytes)
+
+
+def _too_large(limit: int) -> Refusal:
+    return Refusal(413, f"the request body is over the server's limit of {limit} bytes", code="request_too_large")
+
+
+async def _read_body(http: HttpRequest, limit: int) -> bytes:
+    """The body, refused (413) as soon as it grows past ``limit`` (chunked bodies have no Content-Length)."""
+    parts, size = [], 0
+    async for part in http.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
 def create_app(service: Service) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the decode thread."""
+    """The FastAPI app; its lifespan starts and stops the decode thread. ``service.limits`` is read
+    at every request, except ``docs`` (read here)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,16 +244,37 @@ def create_app(service: Service) -> FastAPI:
         yield
         await asyncio.to_thread(service.worker.stop)
 
-    app = FastAPI(title="pask", lifespan=lifespan)
+    docs = service.limits.docs
+    app = FastAPI(
+        title="pask",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.add_middleware(_Guard, service=service)
     name = service.lm.name
 
     def error(e: RequestError) -> JSONResponse:
         service.metrics.count("rejected")
         return JSONResponse(e.body(), status_code=e.status)
 
+    def refused(e: Refusal) -> JSONResponse:
+        service.metrics.count(e.outcome)
+        return e.response()
+
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": name, "policy": service.scheduler.policy_name}
+    async def health() -> JSONResponse:
+        """200 while the decode thread runs, 503 once it is dead."""
+        alive = service.worker.alive
+        body = {
+            "status": "ok" if alive else "unavailable",
+            "model": name,
+            "policy": service.scheduler.policy_name,
+            "decode_thread": "alive" if alive else "dead",
+            "queued": service.queue_depth(),
+        }
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -116,19 +286,53 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
+        lim, loop = service.limits, asyncio.get_running_loop()
+        timeout = lim.request_timeout or None
+        deadline = loop.time() + timeout if timeout else math.inf
         try:
-            chat = service.prepare(parse_body(await http.body()))
+            if service.queue_depth() >= lim.max_queue:
+                raise Refusal(
+                    429,
+                    f"the server's queue is full ({lim.max_queue} requests waiting); retry later",
+                    "rate_limit_error",
+                    "queue_full",
+                    "overloaded",
+                    {"Retry-After": str(RETRY_AFTER_S)},
+                )
+            service.preparing += 1
+            try:
+                async with asyncio.timeout_at(None if math.isinf(deadline) else deadline):
+                    raw = await _read_body(http, lim.max_body_bytes)
+                    # parsing, templating, tokenising, grammar compilation: in a thread, off the event loop
+                    chat = await asyncio.to_thread(lambda: service.prepare(parse_body(raw)))
+            except TimeoutError:
+                raise _timeout(timeout) from None
+            except ClientDisconnect:
+                service.metrics.count("cancelled")
+                return Response(status_code=499)
+            finally:
+                service.preparing -= 1
+            if not service.worker.alive:
+                raise Refusal(503, "the decode thread is not running", "server_error", "unavailable", "unavailable")
         except RequestError as e:
             return error(e)
+        except Refusal as e:
+            return refused(e)
         job, events = service.worker.open(chat.id, chat.request)
         if chat.stream:
-            return StreamingResponse(_stream(service, chat, job, events), media_type="text/event-stream")
+            body = _stream(service, chat, job, events, deadline, timeout)
+            return StreamingResponse(body, media_type="text/event-stream")
         try:
-            while (await events.get())[0] != "done":
-                pass
+            end = await _await_end(http, events, deadline)
         except asyncio.CancelledError:
             service.worker.cancel(job.id)
             raise
+        if end == "disconnected":  # nobody reads the answer: free the rows now
+            service.worker.cancel(job.id)
+            return Response(status_code=499)
+        if end == "timeout":
+            service.worker.cancel(job.id, "timeout")
+            return _timeout(timeout).response()
         if job.stop == "error":
             return JSONResponse({"error": {"message": job.error, "type": "server_error"}}, status_code=500)
         extra = {
@@ -143,9 +347,61 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-async def _stream(service: Service, chat: ChatRequest, job: Job, events: asyncio.Queue) -> AsyncIterator[str]:
-    """Server-sent events of one request; a disconnect (cancellation) cancels the job."""
+async def _next_event(events: asyncio.Queue, until: float) -> tuple | None:
+    """The next worker event, or None once the loop's clock reaches ``until``."""
+    if math.isinf(until):
+        return await events.get()
+    try:
+        async with asyncio.timeout_at(until):
+            return await events.get()
+    except TimeoutError:
+        return None
+
+
+async def _await_end(http: HttpRequest, events: asyncio.Queue, deadline: float) -> str:
+    """Wait for a job's end: ``done``, ``timeout`` (past ``deadline``) or ``disconnected`` (the client left)."""
+    loop = asyncio.get_running_loop()
+    next_poll = loop.time() + DISCONNECT_POLL_S
+    while True:
+        now = loop.time()
+        if now >= deadline:
+            while not events.empty():  # it may have ended just now
+                if events.get_nowait()[0] == "done":
+                    return "done"
+            return "timeout"
+        if now >= next_poll:
+            if await http.is_disconnected():
+                return "disconnected"
+            next_poll = now + DISCONNECT_POLL_S
+        item = await _next_event(events, min(next_poll, deadline))
+        if item is not None and item[0] == "done":
+            return "done"
+
+
+async def _stream(
+    service: Service,
+    chat: ChatRequest,
+    job: Job,
+    events: asyncio.Queue,
+    deadline: float = math.inf,
+    timeout: float | None = None,
+) -> AsyncIterator[str]:
+    """Server-sent events of one request; a disconnect (cancellation) cancels the job; past
+    ``deadline`` the job is cancelled and the stream ends with an error event and ``[DONE]``."""
     name, tok, lock = service.lm.name, service.lm.tokenizer, service.scheduler.tokenizer_lock
+
+    def decode_locked(ids: list[int]) -> str:
+        with lock:
+            return tok.decode(ids, skip_special_tokens=False)
+
+    async def decode(ids: list[int]) -> str:
+        if lock.acquire(blocking=False):  # the usual case: decode here, a thread hop per token costs more
+            try:
+                return tok.decode(ids, skip_special_tokens=False)
+            finally:
+                lock.release()
+        return await asyncio.to_thread(decode_locked, list(ids))  # another thread tokenises: do not block the loop
+
     # text | json stream content; tools buffer until the end; auto decides on the first characters
     mode = {"text": "content", "json": "content", "tools": "calls"}.get(chat.mode, "undecided")
     ids: list[int] = []
@@ -154,15 +410,21 @@ async def _stream(service: Service, chat: ChatRequest, job: Job, events: asyncio
     try:
         yield sse(chunk(chat, name, {"role": "assistant", "content": ""}))
         while True:
-            kind, value = await events.get()
+            item = await _next_event(events, deadline)
+            if item is None:
+                done = True
+                service.worker.cancel(job.id, "timeout")
+                yield sse(_timeout(timeout).response_body())
+                yield sse("[DONE]")
+                return
+            kind, value = item
             if kind == "done":
                 done = True
                 break
             ids.append(value)
             if mode == "calls":
                 continue
-            with lock:
-                text = tok.decode(ids, skip_special_tokens=False)
+            text = await decode(ids)
             if mode == "undecided":
                 if TOOL_CALL_OPEN.startswith(text):
                     continue  # may still become a tool call

@@ -5,7 +5,13 @@ scheduler, and its tokens and its end come back on an ``asyncio.Queue`` of the h
 ``("token", id)`` and ``("done", job)``. :meth:`Worker.cancel` takes a job out at the next step
 boundary. After every step the worker publishes the batch's gauges to :class:`Metrics`.
 An exception inside a step ends every job in flight with ``stop = "error"`` (the server answers
-500) and the worker goes on with a fresh cache.
+500) and the worker goes on with a fresh cache. Should the thread die all the same (an error
+outside a step), it fails the jobs in flight on its way out and :attr:`Worker.alive` turns False
+(``/health`` answers 503).
+
+The worker knows its open jobs: :meth:`Worker.waiting` counts those not yet admitted into the
+running batch (the server's queue limit), and a job cancelled with ``reason="timeout"`` is counted
+as ``timeout`` rather than ``cancelled`` in the metrics.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ class Worker:
         self.scheduler = scheduler
         self.metrics = metrics or Metrics()
         self.tokenizer_lock = scheduler.tokenizer_lock  # HF tokenizers are not safe across threads
-        scheduler.listeners.append(self.metrics.observe)
+        scheduler.listeners.append(self._finished)
+        self._jobs: dict[str, Job] = {}  # open jobs by id (handlers add, the decode thread removes)
+        self._timed_out: set[str] = set()
+        self._lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pask-decode", daemon=True)
@@ -54,11 +63,33 @@ class Worker:
         self.scheduler.fail_all("the server is shutting down")
         self.scheduler.close()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the decode thread runs (False before :meth:`start`, after :meth:`stop` or its death)."""
+        return self._thread.is_alive()
+
+    def waiting(self) -> int:
+        """Open jobs not yet admitted into the running batch (thread-safe)."""
+        with self._lock:
+            return sum(1 for j in self._jobs.values() if not j.t_admit and not j.finished)
+
+    def open_jobs(self) -> int:
+        """Jobs submitted and not yet finished (thread-safe)."""
+        with self._lock:
+            return len(self._jobs)
+
     # -- from the handlers ----------------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        with self._lock:
+            self._jobs[job.id] = job
         self._inbox.put(("submit", job))
 
-    def cancel(self, job_id: str) -> None:
+    def cancel(self, job_id: str, reason: str = "cancelled") -> None:
+        """Take a job out at the next step boundary; ``reason`` ``"timeout"`` counts it as a timeout."""
+        if reason == "timeout":
+            with self._lock:
+                if job_id in self._jobs:
+                    self._timed_out.add(job_id)
         self._inbox.put(("cancel", job_id))
 
     def open(self, job_id: str, request) -> tuple[Job, asyncio.Queue]:
@@ -76,6 +107,14 @@ class Worker:
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the thread dies: say so, and end the jobs in flight (handlers answer 500)
+            log.critical("the decode thread died:\n%s", traceback.format_exc())
+            with contextlib.suppress(Exception):
+                self.scheduler.fail_all(f"the decode thread died: {type(e).__name__}: {e}")
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             while not self._stop.is_set():
                 self._drain(block=self.scheduler.idle)
@@ -107,10 +146,19 @@ class Worker:
                 self.scheduler.submit(value)
             except Exception as e:  # checked by the handler already; report rather than die
                 value.stop, value.error = "error", str(e)
+                self._finished(value)
                 if value.on_finish is not None:
                     value.on_finish(value)
         elif kind == "cancel":
             self.scheduler.cancel(value)
+
+    def _finished(self, job: Job) -> None:
+        """A job ended (scheduler listener): forget it and record it in the metrics."""
+        with self._lock:
+            self._jobs.pop(job.id, None)
+            timed_out = job.id in self._timed_out
+            self._timed_out.discard(job.id)
+        self.metrics.observe(job, "timeout" if timed_out and job.stop == "cancelled" else None)
 
     def _publish(self) -> None:
         snap = self.scheduler.snapshot()
