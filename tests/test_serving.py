@@ -362,7 +362,7 @@ BAD = {
             },
         },
         400,
-        "Unsatisfiable",
+        "minimum 5 > maximum 1",
     ),
     "over capacity": ({"model": "smollm2-135m", "messages": ASK_WEATHER, "max_tokens": 5000}, 400, "capacity"),
     "bad max_tokens": ({"model": "smollm2-135m", "messages": ASK_WEATHER, "max_tokens": -1}, 400, "positive"),

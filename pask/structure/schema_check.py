@@ -3,17 +3,25 @@
 llguidance compiles a schema only against a tokenizer, so a contradictory one used to fail after the
 model had loaded, with a message about the outermost property only (``required property
 'arguments' is unsatisfiable``). :func:`check_json_schema` finds the common causes itself, in
-four passes:
+five passes:
 
+0. the nesting depth: subschemas nested more than :data:`MAX_SCHEMA_DEPTH` levels deep are refused
+   before anything recursive (``jsonschema``, the passes below, llguidance) sees them;
 1. a walk of every subschema (properties, items, anyOf/oneOf/allOf, ``$defs``...) for typos that
    are never meant: an unknown ``type`` name, ``minimum`` above ``maximum`` (likewise the length,
    item and property counts), an empty ``enum``, a local ``$ref`` that resolves to nothing;
 2. ``jsonschema``'s check of the schema against its meta-schema (Draft 2020-12 unless ``$schema``
    names another);
 3. satisfiability along what a value must contain: a required property, the items an array must
-   have, at least one ``anyOf`` branch, ``enum`` / ``const`` values of the declared type. An
-   optional property with no possible value is left alone, as llguidance leaves it (the output
-   just never has it; BFCL's own tools have such properties);
+   have, the properties ``minProperties`` asks for, at least one ``anyOf`` branch, ``enum`` /
+   ``const`` values of the declared type. An optional property with no possible value is left
+   alone, as llguidance leaves it (the output just never has it; BFCL's own tools have such
+   properties). A ``$ref`` is satisfiable only if a *finite* value satisfies it (a least fixpoint
+   over the local ``$ref`` targets), so a ``$ref`` cycle through what a value must contain
+   (``{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}``, or ``a -> b ->
+   a`` through ``$defs``) is refused: llguidance would accept its grammar and then fail or loop
+   while decoding. Recursion that can stop (a tree whose children are optional, a nullable link,
+   an array that may be empty) stays allowed;
 4. llguidance itself, compiling the schema without a tokenizer.
 
 ``where`` names the schema in messages (``tool 'get_weather'``, ``response_format``), and a
@@ -58,6 +66,22 @@ _BOUNDS = (
 # subschema-valued keywords the walk descends into (their values at the same path)
 _SAME_PATH = ("not", "if", "then", "else")
 _LISTS = ("anyOf", "oneOf", "allOf")
+# every subschema-valued keyword (2020-12 and draft 4-7), for the depth check: one subschema, a map
+# of them, a list of them
+_ONE = (
+    *_SAME_PATH,
+    "additionalProperties",
+    "additionalItems",
+    "items",
+    "contains",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "contentSchema",
+)
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_MANY = (*_LISTS, "prefixItems", "items")
+MAX_SCHEMA_DEPTH = 32  # subschemas nested deeper than this are refused (pass 0)
 _PASSED: dict[str, None] = {}  # schemas (canonical JSON) that passed, oldest first
 _PASSED_MAX = 1024
 _AT = re.compile(r"^at \d+\(\d+\): ")  # llguidance's source position prefix
@@ -76,22 +100,53 @@ def check_json_schema(schema: Any, where: str = "schema") -> None:
         raise PaskError(f"{where}: unsatisfiable: the schema is false")
     if schema is True:
         return
+    check_schema_depth(schema, where)
     try:
-        key = json.dumps(schema, sort_keys=True)
-    except (TypeError, ValueError) as e:
+        key = json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
         raise PaskError(f"{where}: the schema is not JSON: {e}") from None
     if key in _PASSED:  # a server sees the same tools request after request
         return
     checker = _Checker(schema, where)
     checker.scan(schema, "")
     _meta_check(schema, where)
-    found = checker.unsat(schema, "", frozenset())
+    checker.find_productive()
+    found = checker.unsat(schema, "", frozenset({"#"}))
     if found is not None:
         raise PaskError(f"{_loc(where, found[0])}: unsatisfiable: {found[1]}")
     _llguidance_check(schema, where)
     if len(_PASSED) >= _PASSED_MAX:
         _PASSED.pop(next(iter(_PASSED)))
     _PASSED[key] = None
+
+
+def check_schema_depth(schema: Any, where: str = "schema", limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """Raise :class:`PaskError` if subschemas nest more than ``limit`` levels deep (without recursion).
+
+    A level is one step into a subschema (a property, ``items``, an ``anyOf`` branch, a ``$defs``
+    entry...); a ``$ref`` is not followed. The root is level 0.
+    """
+    stack: list[tuple[Any, int, str]] = [(schema, 0, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if depth > limit:
+            raise PaskError(f"{_loc(where, path)}: the schema nests deeper than {limit} levels")
+        for key in _ONE:
+            sub = node.get(key)
+            if isinstance(sub, dict):
+                stack.append((sub, depth + 1, _child(path, "*") if key == "additionalProperties" else path))
+        for key in _MAPS:
+            subs = node.get(key)
+            if isinstance(subs, dict):
+                for name, sub in subs.items():
+                    name = name if key == "properties" else f"{key}/{name}"
+                    stack.append((sub, depth + 1, _child(path, str(name))))
+        for key in _MANY:
+            subs = node.get(key)
+            if isinstance(subs, list):
+                stack.extend((sub, depth + 1, path) for sub in subs)
 
 
 def check_response_format(schema: Any) -> None:
@@ -152,9 +207,18 @@ def _type_name(types: list[str]) -> str:
     return f"'{types[0]}'" if len(types) == 1 else " or ".join(f"'{t}'" for t in types)
 
 
+def _local(ref: Any) -> bool:
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+
+
 class _Checker:
     def __init__(self, root: dict, where: str) -> None:
         self.root, self.where = root, where
+        self.refs: set[str] = set()  # the local $refs met by scan
+        self.productive: set[str] = set()  # the local $refs a finite value satisfies (find_productive)
+        self._fixpoint = False  # unsat: a $ref not (yet) productive is unsatisfiable, without a look inside
+        self._touched: set[str] = set()  # the unproductive $refs the last fixpoint evaluation met
+        self._why: dict[str, str] = {}  # why an unproductive $ref is: its message, once found
 
     def fail(self, path: str, cause: str) -> PaskError:
         return PaskError(f"{_loc(self.where, path)}: {cause}")
@@ -173,10 +237,11 @@ class _Checker:
                 raise self.fail(path, f"enum must be a list, got {_kind(s['enum'])}")
             if not s["enum"]:
                 raise self.fail(path, "enum is empty: no value can match it")
-        if isinstance(s.get("$ref"), str):
+        if _local(s.get("$ref")):  # "#name" is an anchor
             ref = s["$ref"]
-            if (ref == "#" or ref.startswith("#/")) and self.resolve(ref) is None:  # "#name" is an anchor
+            if self.resolve(ref) is None:
                 raise self.fail(path, f"$ref '{ref}' points to nothing in the schema")
+            self.refs.add(ref)
         props = s.get("properties")
         if isinstance(props, dict):
             for name, sub in props.items():
@@ -257,17 +322,53 @@ class _Checker:
 
     # -- pass 3: what a value must contain -------------------------------------------------------
 
+    def find_productive(self) -> None:
+        """The local $refs that some finite value satisfies: the least fixpoint, from "none is".
+
+        Each target is evaluated with the refs found productive so far taken as satisfiable and the
+        others as not; a target is evaluated again only when a ref it met becomes productive.
+        """
+        users: dict[str, set[str]] = {}  # ref -> the targets whose evaluation met it
+        work = sorted(self.refs)
+        self._fixpoint = True
+        try:
+            while work:
+                ref = work.pop()
+                if ref in self.productive:
+                    continue
+                self._touched = set()
+                if self.unsat(self.resolve(ref), "", frozenset()) is None:
+                    self.productive.add(ref)
+                    work.extend(users.pop(ref, ()))
+                else:
+                    for met in self._touched:
+                        users.setdefault(met, set()).add(ref)
+        finally:
+            self._fixpoint = False
+
     def unsat(self, s: Any, path: str, refs: frozenset[str]) -> tuple[str, str] | None:
-        """(path, cause) if no JSON value satisfies ``s``, else None (``s`` passed the meta-schema check)."""
+        """(path, cause) if no (finite) JSON value satisfies ``s``, else None (``s`` passed the meta-schema
+        check). ``refs``: the $refs followed to get here (a $ref met again among them is a cycle)."""
         if s is True or not isinstance(s, (dict, bool)):
             return None
         if s is False:
             return path, "the schema is false"
         ref = s.get("$ref")
-        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and ref not in refs:  # recursion: fine
+        if _local(ref) and ref not in self.productive:
+            if self._fixpoint:
+                self._touched.add(ref)
+                return path, f"$ref '{ref}'"
+            if ref in refs:
+                return path, (
+                    f"$ref '{ref}' recurses without end, so no finite value matches (make the recursion "
+                    "optional: a property not required, nullable, or in an array that may be empty)"
+                )
+            if ref in self._why:
+                return path, self._why[ref]
             found = self.unsat(self.resolve(ref), path, refs | {ref})
             if found is not None:
-                return found[0], f"{found[1]} (via $ref '{ref}')"
+                self._why[ref] = f"{found[1]} (via $ref '{ref}')"
+                return found[0], self._why[ref]
         for sub in s.get("allOf", []):
             found = self.unsat(sub, path, refs)
             if found is not None:
@@ -336,6 +437,13 @@ class _Checker:
         most = s.get("maxProperties")
         if _num(most) and len(set(required)) > most:
             return path, f"{len(set(required))} required properties > maxProperties {most}"
+        least = s.get("minProperties")
+        if not _num(least) or least <= len(set(required)) or s.get("patternProperties"):
+            return None
+        if extra is False or (isinstance(extra, dict) and self.unsat(extra, _child(path, "*"), refs)):
+            optional = [n for n, sub in props.items() if n not in required and not self.unsat(sub, path, refs)]
+            if len(set(required)) + len(optional) < least:
+                return path, f"minProperties {_short(least)} asks for more properties than can have a value"
         return None
 
     def _array(self, s: dict, path: str, refs: frozenset[str]) -> tuple[str, str] | None:
@@ -393,7 +501,10 @@ def _schema_path(parts: list) -> tuple[str, str]:
 
 
 def _llguidance_check(schema: dict, where: str) -> None:
-    grammar = llguidance.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": _SEPARATORS})
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": _SEPARATORS})
+    except (ValueError, TypeError, RuntimeError) as e:  # a value it cannot take in: an integer over 64 bits
+        raise PaskError(f"{where}: llguidance cannot compile the schema: {e}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if not is_error:
         return

@@ -251,8 +251,9 @@ def check_tools(tools: list[dict]) -> None:
     Needs no tokenizer or model, so callers run it before loading one. Checks each tool's shape
     (``{"type": "function", "function": {"name": ..., "parameters": {...}}}``, a legal unique
     name, an object ``parameters`` schema; a missing ``parameters`` means no arguments), each
-    ``parameters`` schema with :func:`pask.structure.schema_check.check_json_schema` (typos, the
-    meta-schema, satisfiability, llguidance's own compile).
+    ``parameters`` schema with :func:`pask.structure.schema_check.check_json_schema` (the nesting
+    depth, typos, the meta-schema, satisfiability and ``$ref`` cycles, llguidance's own compile),
+    a schema without ``type`` checked as the object it must be.
     Messages read ``tool 'get_weather', property 'days': minimum 10 > maximum 1``.
     """
     if not isinstance(tools, list):
@@ -284,7 +285,8 @@ def check_tools(tools: list[dict]) -> None:
             raise PaskError(
                 f"tool '{name}': parameters must be an object schema (type 'object'), got type {json.dumps(declared)}"
             )
-        check_json_schema(params, f"tool '{name}'")
+        # arguments are an object: a schema without "type" is checked as one (else a string would satisfy it)
+        check_json_schema(params if "type" in params else {"type": "object", **params}, f"tool '{name}'")
 
 
 def marker(tokenizer, text: str) -> str:
