@@ -72,7 +72,7 @@ from pask.runtime.tokens import (
     pick_tokens,
     plan_head,
 )
-from pask.structure.constraint import allocate_mask, ll_tokenizer
+from pask.structure.constraint import SchemaError, allocate_mask, grammar_message, ll_tokenizer
 
 STEP_LOG = 4096  # decode-step times kept per batch size (the benchmark's per-batch medians)
 
@@ -108,6 +108,7 @@ class Job:
     stop: str | None = None
     cancelled: bool = False
     error: str | None = None
+    grammar_error: Exception | None = None  # the request's grammar failed: the job ends with stop "error"
     budget: dict | None = None
     result: Generation | None = None
     t_submit: float = 0.0
@@ -259,23 +260,36 @@ class Scheduler:
         for i, job in enumerate(jobs):
             if job.next_mask is not None:
                 bitmask[i] = job.next_mask
+            elif job.grammar_error is None and job.request.constraint is not None:
+                try:  # each row's mask here, so that a failing grammar ends its own job only
+                    job.request.constraint.mask(bitmask, i)
+                    job.next_mask = bitmask[i]
+                except SchemaError as e:
+                    job.grammar_error = e
         fresh = [j.next_mask is not None for j in jobs]
         requests = [j.request for j in jobs]
         generated, rngs = [j.generated for j in jobs], [j.rng for j in jobs]
-        live = [True] * len(jobs)
+        live = [j.grammar_error is None for j in jobs]
         nxt = pick_tokens(logits, requests, generated, live, bitmask, self.closers, masked=fresh, rngs=rngs)
         for i, job in enumerate(jobs):
-            if job.choose is not None:
+            if job.choose is not None and live[i]:
                 nxt[i] = job.choose(logits[i])
         now = time.perf_counter()
         for job, t in zip(jobs, nxt, strict=True):
             n = len(job.generated)
             job.next_mask = None
-            if t in job.stop_ids:
+            if job.grammar_error is not None:
+                job.stop = "error"
+            elif t in job.stop_ids:
                 job.generated.append(t)
                 job.stop = "stop"
             else:
-                job.stop = accept_token(job.request, t, job.generated, job.tags, self.eos, self.token_bytes)
+                try:
+                    job.stop = accept_token(job.request, t, job.generated, job.tags, self.eos, self.token_bytes)
+                except SchemaError as e:
+                    job.grammar_error, job.stop = e, "error"
+            if job.grammar_error is not None:
+                job.error = f"the request's grammar failed while decoding: {grammar_message(job.grammar_error)}"
             if len(job.generated) > n:
                 job.t_first = job.t_first or now
                 if job.on_token is not None:
@@ -387,7 +401,9 @@ class Scheduler:
         """Compute each constrained job's next mask now (:func:`pask.runtime.tokens.plan_head`); keep it for step 3."""
         vocab = self.head.head.weight.shape[0]
         bitmask = allocate_mask(len(jobs), vocab)
-        plan_head(self.head, [j.request for j in jobs], [True] * len(jobs), bitmask, vocab)
+        failed = plan_head(self.head, [j.request for j in jobs], [True] * len(jobs), bitmask, vocab)
+        for i, e in failed.items():
+            jobs[i].grammar_error = e  # ends at the next step boundary, alone
         for i, job in enumerate(jobs):
             job.next_mask = bitmask[i] if job.request.constraint is not None else None
 
@@ -423,7 +439,7 @@ class Scheduler:
     def _done(self, job: Job) -> None:
         job.t_finish = time.perf_counter()
         job.policy.reset(job.seq)  # its row is decided no more: drop the policy's state of it
-        if job.stop != "cancelled" and self.tok is not None:
+        if job.stop not in ("cancelled", "error") and self.tok is not None:
             with self.tokenizer_lock:
                 job.result = make_generation(
                     self.tok, job.request, job.generated, job.tags, job.stop, job.prefill_ms, job.tpot_ms, job.budget

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pask.errors import PaskError
-from pask.structure.constraint import Constraint, apply_mask
+from pask.structure.constraint import Constraint, SchemaError, apply_mask
 
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
@@ -96,23 +96,35 @@ class Generation:
 _NOTHING = torch.empty(0, dtype=torch.long)
 
 
-def plan_head(head, requests: list[Request], live: list[bool], bitmask: torch.Tensor, vocab: int) -> None:
+def plan_head(
+    head, requests: list[Request], live: list[bool], bitmask: torch.Tensor, vocab: int
+) -> dict[int, SchemaError]:
     """Fill the next step's masks of the live constrained rows and give ``head`` their allowed tokens.
+
+    Returns the rows whose grammar failed (their error; such a row gets the full head): a failing
+    grammar is its own request's error, not the batch's.
 
     The masks are filled one row after another: llguidance's parallel fill (``LLExecutor``) was slower
     in paired served runs on 2 cores (its threads compete with the decode thread's OpenMP worker)."""
     from pask.runtime.masked_head import allowed_tokens
 
     plan: list[torch.Tensor | None] = []
+    failed: dict[int, SchemaError] = {}
     for i, r in enumerate(requests):
         if not live[i]:
             plan.append(_NOTHING)  # a finished row still in the batch needs no logits
         elif r.constraint is not None:
-            r.constraint.mask(bitmask, i)
+            try:
+                r.constraint.mask(bitmask, i)
+            except SchemaError as e:
+                failed[i] = e
+                plan.append(None)
+                continue
             plan.append(allowed_tokens(bitmask[i], vocab))
         else:
             plan.append(None)
     head.plan = plan
+    return failed
 
 
 def pick_tokens(

@@ -49,7 +49,14 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from pask.errors import PaskError
 from pask.runtime.tokens import Request, eos_ids
-from pask.structure.constraint import Constraint, SchemaError, allocate_mask, lark_json, ll_tokenizer
+from pask.structure.constraint import (
+    Constraint,
+    SchemaError,
+    allocate_mask,
+    grammar_message,
+    lark_json,
+    ll_tokenizer,
+)
 from pask.structure.schema_check import check_response_format, check_schema_depth
 from pask.tasks.function_calling import (
     TOOL_CALL_OPEN,
@@ -68,7 +75,6 @@ MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 _SAMPLING = ("temperature", "top_p", "seed")
 _SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid surrogates: any left is lone
-_AT = re.compile(r"^at \d+\(\d+\): ")  # llguidance's source position
 
 
 class RequestError(PaskError):
@@ -512,16 +518,6 @@ def _grammar(tok, mode: str, tools: list[dict], schema: dict | None) -> str | No
     if schema is not None:
         return "start: " + lark_json(schema)
     return None
-
-
-def grammar_message(error: Exception) -> str:
-    """llguidance's message without its internal state: the first line, no source position, at most 300 characters."""
-    text = str(error).split("<state>")[0].strip()
-    first = _AT.sub("", text.splitlines()[0] if text else "unknown error")
-    for prefix in ("grammar error: ", "failed to compile JSON schema: "):
-        first = first.removeprefix(prefix)
-    first = re.sub(r"\s*\(at \d+\(\d+\)\)$", "", first).strip()
-    return first if len(first) <= 300 else first[:297] + "..."
 
 
 def _compile(tok, grammar: str, param: str) -> Constraint:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 
 import llguidance
@@ -18,6 +19,23 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 class SchemaError(PaskError):
     """The grammar or schema of one request cannot be compiled or satisfied."""
+
+
+_AT = re.compile(r"^at \d+\(\d+\): ")  # llguidance's source position
+
+
+def grammar_message(error: Exception) -> str:
+    """llguidance's message without its internal state: the first line, no source position, at most
+    300 characters (what a client may be told about its grammar)."""
+    text = str(error).split("<state>")[0].strip()
+    first = text.splitlines()[0] if text else "unknown error"
+    for prefix in ("grammar error: ", "failed to compile JSON schema: "):
+        first = first.removeprefix(prefix)
+    first = _AT.sub("", first)
+    for prefix in ("grammar error: ", "failed to compile JSON schema: "):
+        first = first.removeprefix(prefix)
+    first = re.sub(r"\s*\(at \d+\(\d+\)\)$", "", first).strip()
+    return first if len(first) <= 300 else first[:297] + "..."
 
 
 @lru_cache(maxsize=8)
