@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 import threading
 import time
 
@@ -82,24 +81,11 @@ TREE = {  # recursion that can stop: children are optional (and may be empty)
 @pytest.fixture(scope="module")
 def server(smol):
     """The app on a loopback port (uvicorn in a thread), Full KV."""
-    import uvicorn
-
-    from pask.serving.server import Service, create_app
+    from pask.serving.server import Service, serve_in_thread
 
     service = Service.build(smol, FullPolicy, capacity_tokens=4096, default_max_tokens=16)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", service
-    srv.should_exit = True
-    thread.join(30)
+    with serve_in_thread(service, start_timeout=30) as url:
+        yield url, service
 
 
 def _post(url: str, body: dict | bytes, timeout: float = 120) -> httpx.Response:

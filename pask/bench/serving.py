@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import socket
 import statistics
 import threading
 import time
@@ -247,12 +246,6 @@ def _malformed(body: dict, out: dict) -> bool:
 
 
 # -- one policy --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_policy(
     lm: LoadedModel,
     name: str,
@@ -266,75 +259,69 @@ def run_policy(
     ``progress`` is called as each request is sent.
     """
     import httpx2 as httpx
-    import uvicorn
 
     from pask.cpu import openmp
-    from pask.serving.server import Limits, Service, create_app
+    from pask.serving.server import Limits, Service, serve_in_thread
 
     # a load test measures the decode, not the server's guards: no deadline, room for every client
     limits = Limits(request_timeout=None, max_queue=max(64, 2 * cfg.concurrency))
     service = Service.build(lm, factory, cfg.capacity_tokens, default_max_tokens=cfg.output_len, limits=limits)
     openmp.release_pool()  # whatever this thread ran in parallel since: see pask.cpu.openmp
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    if not server.started:
-        raise PaskError(f"the benchmark server for '{name}' did not start")
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        with serve_in_thread(service) as base:
+            return _drive(service, f"{base}/v1/chat/completions", name, cfg, bodies, progress, httpx)
+    except PaskError as e:
+        raise PaskError(f"the benchmark server for '{name}': {e}") from None
+
+
+def _drive(service, url: str, name: str, cfg: BenchConfig, bodies: list[dict], progress, httpx) -> PolicyResult:
+    """Drive the served policy at ``url`` with ``cfg.concurrency`` closed-loop clients."""
     res = PolicyResult(name)
     lock = threading.Lock()
     outs: list[dict] = []
-    try:
-        with httpx.Client(timeout=None) as c:  # warm-up (grammar kernels, first allocations)
-            c.post(url, json={**bodies[0], "max_tokens": 2, "messages": bodies[0]["messages"][-1:]})
-        service.scheduler.peak_held_bytes = service.scheduler.peak_running = 0
-        service.scheduler.step_log.clear()
-        stop_at = time.time() + cfg.max_seconds
+    with httpx.Client(timeout=None) as c:  # warm-up (grammar kernels, first allocations)
+        c.post(url, json={**bodies[0], "max_tokens": 2, "messages": bodies[0]["messages"][-1:]})
+    service.scheduler.peak_held_bytes = service.scheduler.peak_running = 0
+    service.scheduler.step_log.clear()
+    stop_at = time.time() + cfg.max_seconds
 
-        def client(k: int) -> None:
-            with httpx.Client(timeout=None) as c:
-                for j in range(cfg.requests_per_client):
-                    if time.time() > stop_at:
-                        return
-                    body = bodies[(k * cfg.requests_per_client + j) % len(bodies)]
-                    if progress:
-                        progress()
-                    r = c.post(url, json=body)
-                    with lock:
-                        res.requests += 1
-                        if r.status_code >= 500:
-                            res.errors_5xx += 1
-                        elif r.status_code != 200:
-                            res.errors_other += 1
-                        else:
-                            out = r.json()
-                            outs.append(out)
-                            res.malformed += _malformed(body, out)
+    def client(k: int) -> None:
+        with httpx.Client(timeout=None) as c:
+            for j in range(cfg.requests_per_client):
+                if time.time() > stop_at:
+                    return
+                body = bodies[(k * cfg.requests_per_client + j) % len(bodies)]
+                if progress:
+                    progress()
+                r = c.post(url, json=body)
+                with lock:
+                    res.requests += 1
+                    if r.status_code >= 500:
+                        res.errors_5xx += 1
+                    elif r.status_code != 200:
+                        res.errors_other += 1
+                    else:
+                        out = r.json()
+                        outs.append(out)
+                        res.malformed += _malformed(body, out)
 
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(cfg.concurrency)]
-        sampler = MemorySampler(service.scheduler, cfg.sample_every) if cfg.sample_every else None
-        with sampler or contextlib.nullcontext():
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        res.wall_s = time.perf_counter() - t0
-        if sampler:
-            res.memory = memory_summary(sampler.samples)
-        sch = service.scheduler
-        res.peak_kv_bytes, res.peak_running = sch.peak_held_bytes, sch.peak_running
-        res.b_final = sch.snapshot()["b_finished"]
-        at_c = list(sch.step_log.get(cfg.concurrency, ()))
-        res.steps_at_c = len(at_c)
-        res.step_ms_at_c = statistics.median(at_c) if at_c else None
-    finally:
-        server.should_exit = True
-        thread.join(60)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(cfg.concurrency)]
+    sampler = MemorySampler(service.scheduler, cfg.sample_every) if cfg.sample_every else None
+    with sampler or contextlib.nullcontext():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    res.wall_s = time.perf_counter() - t0
+    if sampler:
+        res.memory = memory_summary(sampler.samples)
+    sch = service.scheduler
+    res.peak_kv_bytes, res.peak_running = sch.peak_held_bytes, sch.peak_running
+    res.b_final = sch.snapshot()["b_finished"]
+    at_c = list(sch.step_log.get(cfg.concurrency, ()))
+    res.steps_at_c = len(at_c)
+    res.step_ms_at_c = statistics.median(at_c) if at_c else None
     if outs:
         res.completion_tokens = sum(o["usage"]["completion_tokens"] for o in outs)
         res.prompt_tokens_mean = sum(o["usage"]["prompt_tokens"] for o in outs) / len(outs)

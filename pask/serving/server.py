@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
@@ -457,3 +457,31 @@ def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, log_level
     import uvicorn
 
     uvicorn.run(create_app(service), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+@contextmanager
+def serve_in_thread(service: Service, start_timeout: float = 60, log_level: str = "warning") -> Iterator[str]:
+    """The app on a free loopback port, uvicorn in a daemon thread, for the block; yields its base
+    URL (``http://127.0.0.1:PORT``). Used by the load benchmark and the tests."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + start_timeout
+    while not server.started and time.time() < deadline and thread.is_alive():
+        time.sleep(0.05)
+    try:
+        if not server.started:
+            raise PaskError(f"the server did not start within {start_timeout:g} s")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
