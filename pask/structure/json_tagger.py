@@ -229,18 +229,23 @@ _FB = _Node(fallback=True)
 _CALL = _Node()  # sentinel: the {"name": ..., "arguments": ...} object
 
 
-def _pointer(root: Any, ref: str) -> Any:
-    """Resolve a local JSON pointer ``#/...``; ``_FB`` when it dangles."""
+def walk_pointer(root: Any, parts: list[str], missing: Any = None) -> Any:
+    """Follow the (still escaped) tokens of a JSON pointer from ``root``; ``missing`` when it dangles."""
     node = root
-    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+    for part in parts:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            return _FB
+            return missing
     return node
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """Resolve a local JSON pointer ``#/...``; ``_FB`` when it dangles."""
+    return walk_pointer(root, ref[1:].split("/")[1:] if ref != "#" else [], _FB)
 
 
 def _flatten(raw: Any, root: Any, seen: frozenset, out: list, cyc: list, depth: int) -> bool:

@@ -39,6 +39,7 @@ import jsonschema
 import llguidance
 
 from pask.errors import PaskError
+from pask.structure.json_tagger import walk_pointer
 
 TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 # common non-JSON-Schema type names (Python's, BFCL's) and the JSON Schema type meant
@@ -309,16 +310,7 @@ class _Checker:
             return self.root
         if not ref.startswith("#/"):
             return None
-        node: Any = self.root
-        for part in ref[2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
+        return walk_pointer(self.root, ref[2:].split("/"))
 
     # -- pass 3: what a value must contain -------------------------------------------------------
 
