@@ -7,7 +7,6 @@ category, ...) is a :class:`PaskError`: one clear message, exit code 2, no trace
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import os
 import shlex
@@ -27,6 +26,7 @@ from pask.experiments.sweep import code_version, file_sha256, machine
 from pask.kv.budget import check_budget
 from pask.policies.factory import make_policy
 from pask.runtime.models import DEFAULT_MODEL
+from pask.serving.replicas import serving_model, serving_policy_factory
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Parser-aware structural KV persistence.")
 bench_app = typer.Typer(no_args_is_help=True, help="Micro-benchmarks.")
@@ -84,12 +84,9 @@ def _threads(n: int | None, prefill_store: Path | None = None) -> None:
 
 
 def _dtype(name: str):
-    import torch
+    from pask.serving.replicas import torch_dtype
 
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
-    if name not in table:
-        raise PaskError(f"unknown dtype '{name}'; choose bf16 or fp32")
-    return table[name]
+    return torch_dtype(name)
 
 
 def progress_bar() -> Progress:
@@ -804,31 +801,6 @@ def report(
     console.print(f"report: {rep.markdown}; csv: {rep.csv}; plots: {', '.join(p.path.name for p in rep.plots)}")
 
 
-def serving_policy_factory(
-    name: str,
-    budget: float | None,
-    config: str | None = None,
-    table: Path | None = None,
-    fingerprint: str | None = None,
-    allow_transfer: bool = False,
-):
-    """A callable building one policy instance per served request (``full``: FullPolicy, all H).
-
-    Built once here so that a bad name, budget, configuration or table fails before serving.
-    """
-    from pask.policies import FullPolicy
-
-    if name == "pask":  # served requests are tool calls / JSON: a function-calling (bfcl) table
-        from pask.policies.pask import make_pask_policy
-
-        frozen = load_pask_table(table, "bfcl", fingerprint, allow_transfer)
-        make_pask_policy(frozen, budget)
-        return lambda: make_pask_policy(frozen, budget)
-    if make_policy(name, budget, config) is None:
-        return FullPolicy
-    return lambda: make_policy(name, budget, config)
-
-
 @app.command()
 @user_errors
 def serve(
@@ -845,7 +817,23 @@ def serve(
     allow_transfer: TransferOpt = False,
     prefill_store: PrefillStoreOpt = None,
     dtype: str = "bf16",
-    threads: int | None = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="torch threads; with --ray: per replica, also its Ray CPUs (default there: the cores / N "
+            "with --ray local, else 1)"
+        ),
+    ] = None,
+    replicas: Annotated[
+        int, typer.Option(help="serving replicas, each with its own model and KV pool; more than 1 needs --ray")
+    ] = 1,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="run the replicas as a Ray Serve application behind one address: local (start Ray here), "
+            "auto or a cluster ADDRESS"
+        ),
+    ] = None,
     max_body_bytes: Annotated[int, typer.Option(help="larger request bodies get 413")] = 1 << 20,
     max_queue: Annotated[int, typer.Option(help="requests waiting to decode; one more gets 429")] = 64,
     request_timeout: Annotated[
@@ -859,10 +847,20 @@ def serve(
     ] = None,
     docs: Annotated[bool, typer.Option(help="serve /docs, /redoc and /openapi.json")] = False,
 ) -> None:
-    """OpenAI-compatible server (/v1/chat/completions, /v1/models, /health, /metrics) with continuous batching."""
+    """OpenAI-compatible server (/v1/chat/completions, /v1/models, /health, /metrics) with continuous batching.
+
+    With ``--replicas N --ray local|auto|ADDRESS``: N replicas on Ray Serve behind one address
+    (docs/serving.md, "Replicas on Ray Serve").
+    """
     from pask.serving.server import Limits, Service
     from pask.serving.server import serve as run_server
 
+    if replicas < 1:
+        raise PaskError(f"--replicas must be >= 1, got {replicas}")
+    if replicas > 1 and ray is None:
+        raise PaskError(
+            f"--replicas {replicas} runs on Ray Serve: add --ray local (start Ray here), --ray auto or --ray ADDRESS"
+        )
     limits = Limits(  # checks the values before the model loads
         max_body_bytes=max_body_bytes,
         max_queue=max_queue,
@@ -878,6 +876,25 @@ def serve(
         serving_policy_factory(policy, budget, policy_config)  # fail before the model loads
     elif table is None:
         raise PaskError("--policy pask needs --table FILE (made by `pask calibrate --task bfcl`)")
+    if ray is not None:  # the replicas on Ray Serve: everything is checked here, before Ray starts
+        from pask.serving.replicas import ReplicaSpec, deploy
+
+        per = threads if threads is not None else max(1, (os.cpu_count() or 1) // replicas) if ray == "local" else 1
+        spec = ReplicaSpec(
+            model=model, dtype=dtype, policy=policy, budget=budget, policy_config=policy_config,
+            table=str(table) if table else None, allow_transfer=allow_transfer, capacity_tokens=capacity_tokens,
+            max_batch=max_batch, max_tokens=max_tokens, limits=limits, threads=per,
+            prefill_store=str(prefill_store) if prefill_store else None,
+        )  # fmt: skip
+        if limits.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            console.print(f"[yellow]warning:[/] listening on {host} without an API key (--api-key or $PASK_API_KEY)")
+        console.print(f"starting {replicas} replicas of {model} ({per} threads each) on Ray ({ray})...")
+
+        def ready(url: str) -> None:
+            console.print(f"serving {model} with policy {policy}: {replicas} replicas on {url}/v1 (Ctrl-C stops)")
+
+        deploy(spec, replicas, ray, host, port, on_ready=ready)
+        return
     _threads(threads, prefill_store)
     lm = _serving_model(model, dtype)
     factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)
@@ -891,16 +908,8 @@ def serve(
 
 
 def _serving_model(model: str, dtype: str):
-    """The model as the server runs it: decode GEMVs on the native bf16 kernel where
-    :func:`pask.cpu.bf16_matmul.serving_mode` says so."""
-    from pask.cpu import bf16_matmul
-    from pask.runtime.models import load_model
-
-    lm = load_model(model, dtype=_dtype(dtype))
-    lm.model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(lm.model, bf16_matmul.serving_mode())
-    gc.collect()
-    gc.freeze()  # the model's objects leave the collector's generations: no full collection walks them mid-step
-    return lm
+    """The model as the server runs it (:func:`pask.serving.replicas.serving_model`)."""
+    return serving_model(model, _dtype(dtype))
 
 
 @bench_app.command("serve")

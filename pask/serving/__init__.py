@@ -7,5 +7,6 @@
 * :mod:`pask.serving.protocol`: OpenAI chat-completion requests -> engine requests, and responses.
 * :mod:`pask.serving.metrics`: counters and gauges, rendered as Prometheus text.
 * :mod:`pask.serving.server`: the FastAPI app (``pask serve``).
+* :mod:`pask.serving.replicas`: N replicas of that app on Ray Serve (``pask serve --replicas N --ray ...``).
 * :mod:`pask.bench.serving`: the loopback serving benchmark (``pask bench serve``).
 """

@@ -3,6 +3,9 @@
 The scheduler's thread records finished requests (:meth:`Metrics.observe`) and publishes the
 gauges of the running batch after every step (:meth:`Metrics.publish`); HTTP handlers count
 refused requests and render. One lock guards everything.
+
+Replicas (:mod:`pask.serving.replicas`) each publish a :meth:`Metrics.state`; :func:`merge` sums
+them and :func:`render` draws the sums with each replica's gauges beside them.
 """
 
 from __future__ import annotations
@@ -67,44 +70,104 @@ class Metrics:
         span = min(THROUGHPUT_WINDOW_S, max(now - self.started, 1e-9))
         return sum(n for t, n in self._recent if t >= now - THROUGHPUT_WINDOW_S) / span
 
+    def state(self) -> dict:
+        """A plain, picklable copy: the counters, the gauges and the current throughput (what
+        :func:`render` draws and :func:`merge` sums; replicas publish it, :mod:`pask.serving.replicas`)."""
+        with self._lock:
+            return {
+                "model": self.model,
+                "policy": self.policy,
+                "requests": dict(self.requests),
+                **{k: getattr(self, k) for k in COUNTERS},
+                "gauges": dict(self.gauges),
+                "throughput": self.throughput(),
+            }
+
     def render(self) -> str:
         """Prometheus text exposition."""
-        with self._lock:
-            lab = f'model="{self.model}",policy="{self.policy}"'
-            lines: list[str] = []
+        return render(self.state())
 
-            def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float | None]]) -> None:
-                lines.append(f"# HELP pask_{name} {help_}")
-                lines.append(f"# TYPE pask_{name} {kind}")
-                for extra, value in samples:
-                    if value is not None:
-                        labels = lab + (f",{extra}" if extra else "")
-                        lines.append(f"pask_{name}{{{labels}}} {value}")
 
-            reqs = self.requests or {"ok": 0}
-            by_outcome = [(f'outcome="{k}"', v) for k, v in reqs.items()]
-            metric("requests_total", "counter", "Requests by outcome.", by_outcome)
-            metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", self.prompt_tokens)])
-            metric("completion_tokens_total", "counter", "Generated tokens.", [("", self.completion_tokens)])
-            metric("tpot_seconds_sum", "counter", "Sum of per-request time per output token.", [("", self.tpot_sum_s)])
-            metric("tpot_seconds_count", "counter", "Requests in tpot_seconds_sum.", [("", self.tpot_count)])
-            tpot = self.tpot_sum_s / self.tpot_count if self.tpot_count else None
-            metric("tpot_seconds", "gauge", "Mean time per output token of finished requests.", [("", tpot)])
-            ttft = self.ttft_sum_s / self.ttft_count if self.ttft_count else None
-            metric("ttft_seconds", "gauge", "Mean time to first token (queueing included).", [("", ttft)])
-            metric("throughput_tokens_per_second", "gauge", "Generated tokens/s over the last minute.",
-                   [("", round(self.throughput(), 3))])  # fmt: skip
-            g = self.gauges
-            for key, help_ in (
-                ("running", "Requests in the running batch."),
-                ("waiting", "Requests waiting for admission."),
-                ("kv_bytes_held", "K/V bytes held by the running batch."),
-                ("kv_bytes_full", "Bytes the running batch's tokens would take in Full KV."),
-                ("kv_bytes_peak", "Peak K/V bytes held."),
-                ("kv_bytes_reserved", "K/V bytes reserved by admitted requests."),
-                ("kv_capacity_bytes", "Logical KV capacity (Full-KV bytes)."),
-            ):
-                metric(key, "gauge", help_, [("", g.get(key))])
-            metric("kv_budget", "gauge", "Measured KV budget B (held / full bytes).",
-                   [('scope="live"', g.get("b_live")), ('scope="finished"', g.get("b_finished"))])  # fmt: skip
-            return "\n".join(lines) + "\n"
+COUNTERS = ("prompt_tokens", "completion_tokens", "tpot_sum_s", "tpot_count", "ttft_sum_s", "ttft_count")
+GAUGES = (  # (key, help); every one adds up over replicas (the peak: an upper bound of the joint peak)
+    ("running", "Requests in the running batch."),
+    ("waiting", "Requests waiting for admission."),
+    ("kv_bytes_held", "K/V bytes held by the running batch."),
+    ("kv_bytes_full", "Bytes the running batch's tokens would take in Full KV."),
+    ("kv_bytes_peak", "Peak K/V bytes held."),
+    ("kv_bytes_reserved", "K/V bytes reserved by admitted requests."),
+    ("kv_capacity_bytes", "Logical KV capacity (Full-KV bytes)."),
+)
+
+
+def retired(state: dict) -> dict:
+    """The counters of ``state`` only (a replica that is gone: its gauges and throughput no longer hold)."""
+    return {**state, "gauges": {}, "throughput": 0.0}
+
+
+def merge(states: list[dict]) -> dict:
+    """One state for several replicas: counters, throughput and the :data:`GAUGES` summed; the live
+    KV budget weighted by each replica's Full-KV bytes (exact); the finished one has no sum (None)."""
+    if not states:
+        return Metrics().state()
+    out = {"model": states[0]["model"], "policy": states[0]["policy"], "requests": {}, "gauges": {}}
+    for s in states:
+        for k, v in s["requests"].items():
+            out["requests"][k] = out["requests"].get(k, 0) + v
+    for k in (*COUNTERS, "throughput"):
+        out[k] = sum(s[k] for s in states)
+    for key, _ in GAUGES:
+        values = [s["gauges"][key] for s in states if s["gauges"].get(key) is not None]
+        out["gauges"][key] = sum(values) if values else None
+    live = [(s["gauges"]["b_live"], s["gauges"].get("kv_bytes_full") or 0) for s in states
+            if s["gauges"].get("b_live") is not None]  # fmt: skip
+    full = sum(w for _, w in live)
+    out["gauges"]["b_live"] = sum(b * w for b, w in live) / full if full else None
+    out["gauges"]["b_finished"] = None
+    return out
+
+
+def render(state: dict, replicas: dict[str, dict] | None = None) -> str:
+    """Prometheus text of a :meth:`Metrics.state`. Given ``replicas`` (name -> state; ``state`` is
+    then their :func:`merge`), every gauge also gets one sample per replica (label ``replica``), and
+    ``pask_replicas`` counts them; counters are the sums only."""
+    lab = f'model="{state["model"]}",policy="{state["policy"]}"'
+    reps = replicas or {}
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float | None]]) -> None:
+        lines.append(f"# HELP pask_{name} {help_}")
+        lines.append(f"# TYPE pask_{name} {kind}")
+        for extra, value in samples:
+            if value is not None:
+                labels = lab + (f",{extra}" if extra else "")
+                lines.append(f"pask_{name}{{{labels}}} {value}")
+
+    def each(value, extra: str = "") -> list[tuple[str, float | None]]:
+        """Samples of a gauge: the total, then each replica's (``value``: a state -> number)."""
+        per = [(",".join(x for x in (extra, f'replica="{r}"') if x), value(s)) for r, s in sorted(reps.items())]
+        return [(extra, value(state)), *per]
+
+    def mean(s: dict, key: str) -> float | None:
+        return s[f"{key}_sum_s"] / s[f"{key}_count"] if s[f"{key}_count"] else None
+
+    reqs = state["requests"] or {"ok": 0}
+    by_outcome = [(f'outcome="{k}"', v) for k, v in reqs.items()]
+    metric("requests_total", "counter", "Requests by outcome.", by_outcome)
+    metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", state["prompt_tokens"])])
+    metric("completion_tokens_total", "counter", "Generated tokens.", [("", state["completion_tokens"])])
+    metric("tpot_seconds_sum", "counter", "Sum of per-request time per output token.", [("", state["tpot_sum_s"])])
+    metric("tpot_seconds_count", "counter", "Requests in tpot_seconds_sum.", [("", state["tpot_count"])])
+    metric("tpot_seconds", "gauge", "Mean time per output token of finished requests.",
+           each(lambda s: mean(s, "tpot")))  # fmt: skip
+    metric("ttft_seconds", "gauge", "Mean time to first token (queueing included).", each(lambda s: mean(s, "ttft")))
+    metric("throughput_tokens_per_second", "gauge", "Generated tokens/s over the last minute.",
+           each(lambda s: round(s["throughput"], 3)))  # fmt: skip
+    for key, help_ in GAUGES:
+        metric(key, "gauge", help_, each(lambda s, key=key: s["gauges"].get(key)))
+    metric("kv_budget", "gauge", "Measured KV budget B (held / full bytes).",
+           each(lambda s: s["gauges"].get("b_live"), 'scope="live"')
+           + each(lambda s: s["gauges"].get("b_finished"), 'scope="finished"'))  # fmt: skip
+    if reps:
+        metric("replicas", "gauge", "Replicas publishing metrics.", [("", len(reps))])
+    return "\n".join(lines) + "\n"
