@@ -942,15 +942,30 @@ def bench_serve_cmd(
     allow_dirty: Annotated[
         bool, typer.Option(help="write --out into benchmarks/results/ even with uncommitted code changes")
     ] = False,
+    mix: Annotated[
+        str,
+        typer.Option(
+            help="request mix KIND=FRACTION,... of valid, malformed (bad bodies: each must get a 4xx), cancel "
+            "(streamed, closed after a few chunks or a short delay), disconnect (not streamed, closed before the "
+            "answer); fractions >= 0 summing to 1, kinds left out get 0; e.g. "
+            "valid=0.7,malformed=0.1,cancel=0.1,disconnect=0.1 (a hostile soak: each cancelled or disconnected "
+            "request's KV must be freed, pass/fail per criterion; exit 1 if one fails)"
+        ),
+    ] = "valid=1",
+    abort_within: Annotated[
+        float, typer.Option(help="cancels and disconnects close their connection within this many seconds")
+    ] = 2.0,
 ) -> None:
     """Loopback load test: TPOT, throughput, peak KV bytes per policy vs Full KV, with the bandwidth-model limit.
 
     A soak test: ``--no-reference --policies pask --concurrency 16 --requests-per-client 100000
-    --max-seconds 600 --sample-every 5`` (memory flat after warm-up, zero 5xx, zero malformed).
+    --max-seconds 600 --sample-every 5`` (memory flat after warm-up, zero 5xx, zero malformed);
+    with ``--mix valid=0.7,malformed=0.1,cancel=0.1,disconnect=0.1`` a hostile one (docs/serving.md).
     """
-    from pask.bench.serving import BenchConfig, bench_serve, markdown, write
+    from pask.bench.serving import BenchConfig, bench_serve, markdown, parse_mix, write
     from pask.experiments.provenance import check_clean
 
+    shares = parse_mix(mix)
     check_clean(out, allow_dirty)  # before the run, not after it
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if reference and "full" not in names:
@@ -958,7 +973,15 @@ def bench_serve_cmd(
     if not names:
         raise PaskError("--policies needs at least one policy name")
     cfg = BenchConfig(
-        concurrency, input_len, output_len, requests_per_client, capacity_tokens, max_seconds, sample_every=sample_every
+        concurrency,
+        input_len,
+        output_len,
+        requests_per_client,
+        capacity_tokens,
+        max_seconds,
+        sample_every=sample_every,
+        mix=shares,
+        abort_within=abort_within,
     )
     _threads(threads, prefill_store)
     lm = _serving_model(model, dtype)
@@ -986,6 +1009,10 @@ def bench_serve_cmd(
     json_path, _ = write(result, out, allow_dirty=allow_dirty)
     print(markdown(result), end="")
     console.print(f"results: {json_path}")
+    failed = [r["policy"] for r in result["policies"] if r.get("mix") and not r["mix"]["passed"]]
+    if failed:
+        console.print(f"[bold red]hostile mix: a criterion failed for {', '.join(failed)}[/]")
+        raise typer.Exit(1)
 
 
 def _bench_policy_overhead(

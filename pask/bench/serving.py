@@ -20,18 +20,27 @@ B``, Full over the policy, at the mean decode context ``input_len + output_len /
 effect. Prefills run one at a time in the scheduler's thread, so the wall time splits into summed
 prefill time and the rest; the decode throughput (generated tokens per second outside prefills) is
 where admitting more requests pays, and it is reported next to the end-to-end throughput.
+
+A hostile mix (``BenchConfig.mix``; default: every request valid) makes each request one of
+``valid``, ``malformed`` (a rotating set of bad bodies, each of which must get a 4xx),
+``cancel`` (streamed; the client closes the connection after a few content chunks or a short
+random delay) or ``disconnect`` (not streamed; the client closes before the answer), drawn from a
+seeded RNG per client. The server runs in this process, so the run also checks on its scheduler
+that every cancelled or disconnected request's KV rows are freed (:class:`HostileMix`), that no
+KV byte is held once the run is over, and reports a pass/fail line per acceptance criterion.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import random
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import jsonschema
@@ -43,11 +52,57 @@ from pask.tasks.function_calling import NON_LIVE, FunctionCase, build_prompt, lo
 
 REF_POLICY = "full"
 MAX_BODIES = 256
+MIX_KINDS = ("valid", "malformed", "cancel", "disconnect")
+MIN_ABORT_S = 0.05  # the shortest delay before a cancel / disconnect closes its connection
+RSS_GROWTH_LIMIT = 1.05  # the soak's flatness criterion (second half's peak RSS over the first's)
+
+
+def check_mix(mix: dict[str, float]) -> dict[str, float]:
+    """The request mix, every kind of :data:`MIX_KINDS` present (PaskError if a kind is unknown, a
+    fraction negative or not a number, or the fractions do not sum to 1 within 1e-6)."""
+    for kind, share in mix.items():
+        if kind not in MIX_KINDS:
+            raise PaskError(f"--mix: unknown kind '{kind}' (kinds: {', '.join(MIX_KINDS)})")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not share >= 0 or share == float("inf"):
+            raise PaskError(f"--mix: the fraction of '{kind}' must be a number >= 0, got {share!r}")
+    total = sum(mix.values())
+    if abs(total - 1.0) > 1e-6:
+        raise PaskError(f"--mix: the fractions must sum to 1, they sum to {total:.6g}")
+    return {k: float(mix.get(k, 0.0)) for k in MIX_KINDS}
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """``valid=0.7,malformed=0.1,cancel=0.1,disconnect=0.1`` -> the mix (see :func:`check_mix`); kinds
+    left out get 0."""
+    mix: dict[str, float] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        kind, eq, value = item.partition("=")
+        kind = kind.strip()
+        if not eq or not kind:
+            raise PaskError(f"--mix: expected KIND=FRACTION items separated by commas, got '{item.strip()}'")
+        if kind in mix:
+            raise PaskError(f"--mix: '{kind}' is given twice")
+        try:
+            mix[kind] = float(value)
+        except ValueError:
+            raise PaskError(f"--mix: the fraction of '{kind}' must be a number, got '{value.strip()}'") from None
+    if not mix:
+        raise PaskError("--mix: no KIND=FRACTION item")
+    return check_mix(mix)
 
 
 @dataclass
 class BenchConfig:
-    """Load shape of one benchmark run."""
+    """Load shape of one benchmark run.
+
+    ``mix``: the share of each request kind (:data:`MIX_KINDS`; default all ``valid``: the plain
+    load test); ``abort_within``: a cancel / disconnect closes its connection after a random delay
+    in [:data:`MIN_ABORT_S`, ``abort_within``] seconds (a cancelled text stream also after 1-4
+    content chunks); ``release_timeout``: seconds after that close within which the request's KV
+    rows must be freed.
+    """
 
     concurrency: int = 8
     input_len: int = 8192
@@ -57,6 +112,9 @@ class BenchConfig:
     max_seconds: float = 3600.0  # per policy: no new request after this
     seed: int = 0
     sample_every: float = 0.0  # seconds between memory samples (0: none); the soak test's flatness check
+    mix: dict[str, float] = field(default_factory=lambda: {"valid": 1.0})
+    abort_within: float = 2.0
+    release_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.requests_per_client < 1:
@@ -65,6 +123,23 @@ class BenchConfig:
             raise PaskError("input length must be >= 64 tokens and output length >= 1")
         if self.sample_every < 0 or self.max_seconds <= 0:
             raise PaskError("sample_every must be >= 0 and max_seconds > 0")
+        if not self.abort_within >= MIN_ABORT_S or not self.release_timeout > 0:
+            raise PaskError(f"abort_within must be >= {MIN_ABORT_S} s and release_timeout > 0")
+        self.mix = check_mix(self.mix)
+
+    @property
+    def hostile(self) -> bool:
+        """Whether some requests are not plain valid ones."""
+        return self.mix["valid"] < 1.0
+
+
+def request_kinds(cfg: BenchConfig, client: int) -> Iterator[str]:
+    """The kinds of client ``client``'s requests, in order: drawn from ``cfg.mix`` by an RNG seeded
+    with ``cfg.seed`` and the client, so every run of a config sends the same sequence."""
+    rng = random.Random(f"{cfg.seed}:{client}")
+    weights = [cfg.mix[k] for k in MIX_KINDS]
+    while True:
+        yield rng.choices(MIX_KINDS, weights)[0]
 
 
 @dataclass
@@ -72,7 +147,7 @@ class PolicyResult:
     """What one policy's run measured."""
 
     policy: str
-    requests: int = 0
+    requests: int = 0  # a hostile mix: the valid ones (every kind is counted in ``mix``)
     errors_5xx: int = 0
     errors_other: int = 0
     malformed: int = 0  # tool calls that do not validate against their schemas
@@ -91,6 +166,7 @@ class PolicyResult:
     b_final: float | None = None  # held / full bytes of the finished requests at their end
     b_avg: float | None = None  # mean per-request time-averaged B
     memory: dict | None = None  # soak samples and the flatness summary (see :func:`memory_summary`)
+    mix: dict | None = None  # a hostile mix's counts, KV-release checks and criteria (:meth:`HostileMix.report`)
     extra: dict = field(default_factory=dict)
 
 
@@ -245,6 +321,384 @@ def _malformed(body: dict, out: dict) -> bool:
     return not msg.get("tool_calls")
 
 
+# -- a hostile mix -----------------------------------------------------------------------------
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@functools.lru_cache(maxsize=2)
+def _padding(n: int) -> str:
+    return "x" * n  # one string for every body over the limit
+
+
+def _with_params(body: dict, params: dict) -> dict:
+    tool = body["tools"][0]
+    return {**body, "tools": [{**tool, "function": {**tool["function"], "parameters": params}}]}
+
+
+def malformed_requests(body: dict, max_body_bytes: int) -> list[tuple[str, Callable[[], tuple]]]:
+    """Bad requests made from a valid tool-call ``body``: ``(name, make)``, ``make()`` giving
+    ``(content, headers)`` for ``POST /v1/chat/completions`` (content: bytes, or an iterator of
+    bytes, which is sent chunked). The server must answer each with a 4xx."""
+    json_type = {"content-type": "application/json"}
+
+    def js(b: dict, headers: dict = json_type) -> Callable[[], tuple]:
+        return lambda: (json.dumps(b).encode(), headers)
+
+    msgs = body["messages"]
+    name = body["tools"][0]["function"]["name"]
+    pad = {"role": "user", "content": _padding(max_body_bytes + 1)}
+    text_42 = {"role": "user", "content": [{"type": "text", "text": 42}]}
+    calls_5 = {"role": "assistant", "content": None, "tool_calls": 5}
+    ref_loop = {"properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    unsat = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10, "maximum": 1}}, "required": ["n"]}
+
+    def chunked() -> tuple:
+        raw = json.dumps({**body, "messages": [pad, *msgs]}).encode()
+        return (raw[i : i + 65536] for i in range(0, len(raw), 65536)), json_type
+
+    return [
+        ("content part text 42", js({**body, "messages": [*msgs[:-1], text_42]})),
+        ("tool_calls 5", js({**body, "messages": [*msgs[:-1], calls_5, msgs[-1]]})),
+        ("tool_choice.function a string", js({**body, "tool_choice": {"type": "function", "function": name}})),
+        ("$ref loop schema", js(_with_params(body, ref_loop))),
+        ("unsatisfiable schema", js(_with_params(body, unsat))),
+        ("temperature 'hot'", js({**body, "temperature": "hot"})),
+        ("schema nested 200 deep", js(_with_params(body, _nested_schema(200)))),
+        ("schema nested 40 deep", js(_with_params(body, _nested_schema(40)))),
+        ("invalid JSON", lambda: (json.dumps(body).encode()[:-7], json_type)),
+        ("wrong Content-Type", js(body, {"content-type": "text/plain"})),
+        ("body over the limit", js({**body, "messages": [pad, *msgs]})),
+        ("body over the limit, chunked", chunked),
+        ("unknown model", js({**body, "model": "gpt-9"})),
+        ("empty messages", js({**body, "messages": []})),
+    ]
+
+
+def _status_class(status: int) -> str:
+    return f"{status // 100}xx" if status // 100 in (2, 4, 5) else "other"
+
+
+def _row_bytes(cache, row: int | None) -> int:
+    """Bytes of KV storage (tier tensors, balance vectors) that row ``row`` of ``cache`` still holds."""
+    if row is None:
+        return 0
+    total = 0
+    for layer in cache.layers:
+        st = layer.seqs[row] if layer.is_initialized and row < len(layer.seqs) else None
+        if st is not None:
+            total += st.h.allocated_bytes() + st.l.allocated_bytes() + st.balance_bytes()
+    return total
+
+
+class HostileMix:
+    """The non-valid requests of a mixed run and the server-side check that each cancel frees its KV.
+
+    Installs three observers on the in-process ``service`` (none changes what the server does):
+    its ``prepare`` records which job id each tagged request got (the client sends a unique
+    ``user`` field, which the server ignores), its worker's ``cancel`` records when the server
+    asked to cancel a job (and the scheduler's step count then), and a scheduler listener records
+    each job's end: stop reason, time, step count, tokens generated, and the KV bytes its row still
+    held right after it left (0 when the row was freed).
+
+    Each cancelled or disconnected request is then judged by a checker thread (:meth:`_judge`):
+    ``cancelled`` (freed by its cancellation; the release time is from the client's close),
+    ``done_before_close`` (it had ended before the client closed), ``raced`` (it ended by itself in
+    the step during which the server asked to cancel it, or before the server could notice the
+    disconnect: within :attr:`UNNOTICED_GRACE_S` of it, no cancel asked), ``no_job`` (it never
+    reached the decode thread), and the failures: ``ran_on`` (it went on decoding after the server
+    asked to cancel it, or long after the close), ``held`` (still open ``release_timeout`` seconds
+    after the close; its residual is then its row's bytes, or its KV reservation while it waits),
+    and ``error`` (ended by a server error: counted with the 5xx). A failure's residual bytes and
+    the end-of-run state (:meth:`finish`) go into :meth:`report`.
+    """
+
+    UNNOTICED_GRACE_S = 2.0  # a disconnect not yet noticed (non-streamed: polled every 0.25 s)
+
+    def __init__(self, service, cfg: BenchConfig, url: str, bodies: list[dict], httpx) -> None:
+        self.service, self.cfg, self.url, self.httpx = service, cfg, url, httpx
+        self.bad = [malformed_requests(b, service.limits.max_body_bytes) for b in bodies[:8]]
+        self.lock = threading.Lock()
+        self.counts: dict[str, dict[str, int]] = {k: {"sent": 0} for k in MIX_KINDS}
+        self.variants: dict[str, dict[str, dict[str, int]]] = {"malformed": {}, "cancel": {}}
+        self.samples: dict[str, str] = {}  # the first unexpected answer per kind / variant
+        self.ids: dict[str, str] = {}  # user tag -> job id
+        self.cancels: dict[str, tuple[float, int]] = {}  # job id -> (time, scheduler steps) of its first cancel
+        self.ends: dict[str, dict] = {}  # job id -> its end
+        self.pending: list[dict] = []
+        self.checks: list[dict] = []
+        self._quiet = threading.Event()  # clients done and the server idle: unmatched tags never reached it
+        self._stop = threading.Event()
+        sch, worker = service.scheduler, service.worker
+        prepare, cancel = service.prepare, worker.cancel
+
+        def tagged_prepare(body: dict):
+            chat = prepare(body)
+            tag = body.get("user")
+            if isinstance(tag, str):
+                self.ids[tag] = chat.id
+            return chat
+
+        def recorded_cancel(job_id: str, reason: str = "cancelled") -> None:
+            cancel(job_id, reason)
+            self.cancels.setdefault(job_id, (time.perf_counter(), sch.steps))  # read after the request is queued
+
+        def ended(job) -> None:
+            self.ends[job.id] = {
+                "stop": job.stop,
+                "t": job.t_finish or time.perf_counter(),
+                "steps": sch.steps,
+                "generated": len(job.generated),
+                "residual_bytes": _row_bytes(sch.cache, job.row) if job.stop != "error" else 0,
+            }
+
+        service.prepare, worker.cancel = tagged_prepare, recorded_cancel
+        sch.listeners.append(ended)
+        self._thread = threading.Thread(target=self._check_loop, name="pask-bench-release", daemon=True)
+        self._thread.start()
+
+    # -- the requests ---------------------------------------------------------------------------
+    def count(self, kind: str, outcome: str, note: str | None = None, variant: str | None = None, detail=None) -> None:
+        """One request's outcome; ``variant``: its bad body or stream mode, counted by ``detail`` (default: outcome)."""
+        with self.lock:
+            c = self.counts[kind]
+            c["sent"] += 1
+            c[outcome] = c.get(outcome, 0) + 1
+            if variant is not None:
+                v = self.variants[kind].setdefault(variant, {})
+                key = str(detail or outcome)
+                v[key] = v.get(key, 0) + 1
+            if note is not None:
+                self.samples.setdefault(f"{kind}/{variant or outcome}", note[:300])
+
+    def send(self, kind: str, client, body: dict, rng: random.Random, tag: str, index: int) -> None:
+        """One request of ``kind`` (not ``valid``) on ``client`` (an httpx client of this thread);
+        ``index``: which bad body a malformed request sends (rotating). Anything unexpected (an
+        event that is not JSON...) is counted as ``client_error``, never the end of the client."""
+        try:
+            if kind == "malformed":
+                bad = self.bad[index % len(self.bad)]
+                self.malformed(client, *bad[index % len(bad)])
+            elif kind == "cancel":
+                self.cancel(client, body, rng, tag)
+            else:
+                self.disconnect(client, body, rng, tag)
+        except Exception as e:
+            self.count(kind, "client_error", f"{type(e).__name__}: {e}")
+
+    def malformed(self, client, variant: str, make: Callable[[], tuple]) -> None:
+        content, headers = make()
+        try:
+            r = client.post(self.url, content=content, headers=headers)
+        except self.httpx.TransportError as e:
+            self.count("malformed", "transport_error", f"{type(e).__name__}: {e}", variant)
+            return
+        outcome = _status_class(r.status_code)
+        note = None if outcome == "4xx" else f"{r.status_code}: {r.text}"
+        self.count("malformed", outcome, note, variant, r.status_code)
+
+    def cancel(self, client, body: dict, rng: random.Random, tag: str) -> None:
+        """A streamed request closed after 1-4 content chunks (text) or a random delay (tool calls,
+        whose chunks come at the end)."""
+        text = rng.random() < 0.5
+        want, delay = rng.randint(1, 4), rng.uniform(MIN_ABORT_S, self.cfg.abort_within)
+        b = {**body, "stream": True, "user": tag}
+        if text:
+            b = {k: v for k, v in b.items() if k not in ("tools", "tool_choice")}
+        outcome, note = "ended_without_done", None
+        try:
+            with client.stream("POST", self.url, json=b, timeout=self.httpx.Timeout(None, read=delay)) as r:
+                if r.status_code != 200:
+                    outcome, note = _status_class(r.status_code), f"{r.status_code}: {r.read()[:300]!r}"
+                else:
+                    seen = 0
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        if line == "data: [DONE]":
+                            outcome = "completed"
+                            break
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            outcome, note = "error_event", line
+                            break
+                        delta = event["choices"][0]["delta"] if event.get("choices") else {}
+                        seen += bool(delta.get("content") or delta.get("tool_calls"))
+                        if seen >= want:
+                            outcome = "closed_after_chunks"
+                            break
+        except self.httpx.ReadTimeout:
+            outcome = "closed_after_delay"
+        except self.httpx.TransportError as e:
+            outcome, note = "transport_error", f"{type(e).__name__}: {e}"
+        t_close = time.perf_counter()
+        self.count("cancel", outcome, note, "text" if text else "tools")
+        if outcome in ("closed_after_chunks", "closed_after_delay"):
+            self._expect_release(f"cancel ({'text' if text else 'tools'}, {outcome})", tag, t_close)
+
+    def disconnect(self, client, body: dict, rng: random.Random, tag: str) -> None:
+        """A non-streamed request whose client closes its connection after a random delay."""
+        delay = rng.uniform(MIN_ABORT_S, self.cfg.abort_within)
+        try:
+            r = client.post(self.url, json={**body, "user": tag}, timeout=self.httpx.Timeout(None, read=delay))
+        except self.httpx.ReadTimeout:
+            t_close = time.perf_counter()
+            self.count("disconnect", "closed")
+            self._expect_release("disconnect", tag, t_close)
+            return
+        except self.httpx.TransportError as e:
+            self.count("disconnect", "transport_error", f"{type(e).__name__}: {e}")
+            return
+        outcome = _status_class(r.status_code)  # answered before the delay ran out
+        self.count("disconnect", outcome, None if outcome == "2xx" else f"{r.status_code}: {r.text}")
+
+    # -- the KV release checks ------------------------------------------------------------------
+    def _expect_release(self, kind: str, tag: str, t_close: float) -> None:
+        with self.lock:
+            self.pending.append({"kind": kind, "tag": tag, "t_close": t_close})
+
+    def _check_loop(self) -> None:
+        while True:
+            with self.lock:
+                items = list(self.pending)
+            done = [(item, v) for item in items if (v := self._judge(item)) is not None]
+            with self.lock:
+                for item, verdict in done:
+                    self.pending.remove(item)
+                    self.checks.append(verdict)
+                left = len(self.pending)
+            if self._stop.is_set() and not left:
+                return
+            time.sleep(0.02)
+
+    def _judge(self, item: dict) -> dict | None:
+        """The verdict on one closed request, or None while it is still undecided."""
+        job_id = self.ids.get(item["tag"])
+        end = self.ends.get(job_id) if job_id else None
+        out = {"kind": item["kind"], "job": job_id, "residual_bytes": 0, "release_s": None}
+        late = time.perf_counter() > item["t_close"] + self.cfg.release_timeout
+        if end is None:
+            if job_id is None and (late or self._quiet.is_set()):
+                return {**out, "verdict": "no_job"}
+            if late or self._stop.is_set():
+                return {**out, "verdict": "held", "residual_bytes": self._open_bytes(job_id)}
+            return None
+        after = end["t"] - item["t_close"]
+        out.update(stop=end["stop"], generated=end["generated"], residual_bytes=end["residual_bytes"])
+        if end["stop"] == "cancelled":
+            verdict = "cancelled"
+        elif end["stop"] == "error":
+            verdict = "error"
+        elif after <= 0:
+            verdict = "done_before_close"
+        else:
+            asked = self.cancels.get(job_id)
+            if asked is not None:  # it may end by itself in the step during which its cancel was asked
+                verdict = "raced" if end["steps"] <= asked[1] else "ran_on"
+            else:
+                verdict = "raced" if after <= self.UNNOTICED_GRACE_S else "ran_on"
+        return {**out, "verdict": verdict, "release_s": max(0.0, after)}
+
+    def _open_bytes(self, job_id: str | None) -> int:
+        """KV bytes a job still open holds: its row's, or while it waits for admission its reservation
+        (read from another thread: a torn read counts as -1)."""
+        worker = self.service.worker
+        with worker._lock:
+            job = worker._jobs.get(job_id)
+        if job is None:
+            return 0
+        try:
+            return _row_bytes(self.service.scheduler.cache, job.row) if job.row is not None else job.reserved
+        except Exception:
+            return -1
+
+    def finish(self) -> dict:
+        """After the clients: wait for the server to go idle and every check to be decided; the KV
+        the scheduler still holds, reserves or keeps open."""
+        sch, worker = self.service.scheduler, self.service.worker
+        deadline = time.perf_counter() + self.cfg.release_timeout + 1
+        while time.perf_counter() < deadline and (worker.open_jobs() or self.service.preparing or not sch.idle):
+            time.sleep(0.05)
+        time.sleep(0.1)  # a job's end listeners may still be running
+        self._quiet.set()
+        self._stop.set()
+        self._thread.join()
+        return {
+            "kv_bytes_held": sch.cache.held_bytes(),
+            "kv_bytes_allocated": sch.cache.allocated_bytes(),
+            "kv_bytes_reserved": sch.reserved,
+            "open_jobs": worker.open_jobs(),
+            "running": len(sch.running),
+            "waiting": len(sch.waiting),
+        }
+
+    def report(self, res: PolicyResult, end: dict) -> dict:
+        """Counts per kind, the release checks and a pass / fail line per criterion."""
+        verdicts: dict[str, int] = {}
+        for c in self.checks:
+            verdicts[c["verdict"]] = verdicts.get(c["verdict"], 0) + 1
+        released = [c["release_s"] for c in self.checks if c["verdict"] == "cancelled"]
+        residual = max((c["residual_bytes"] for c in self.checks), default=0)
+        failed = [c for c in self.checks if c["verdict"] in ("ran_on", "held") or c["residual_bytes"]]
+        release = {
+            "checked": len(self.checks),
+            "verdicts": verdicts,
+            "with_tokens": sum(1 for c in self.checks if c["verdict"] == "cancelled" and c.get("generated")),
+            "max_release_s": max(released, default=None),
+            "mean_release_s": sum(released) / len(released) if released else None,
+            "max_residual_bytes": residual,
+            "failed": failed[:20],
+            "checks": [{k: v for k, v in c.items() if k != "job"} for c in self.checks],
+        }
+        k = self.counts
+        five_all = sum(v.get("5xx", 0) + v.get("error_event", 0) for v in k.values()) + verdicts.get("error", 0)
+        bad = k["malformed"]
+        not_4xx = bad["sent"] - bad.get("4xx", 0)
+        growth = (res.memory or {}).get("rss_growth")
+        end_ok = end["kv_bytes_held"] == end["kv_bytes_allocated"] == end["kv_bytes_reserved"] == end["open_jobs"] == 0
+        criteria = [
+            ("0 5xx for valid requests", res.errors_5xx, res.errors_5xx == 0),
+            ("0 5xx for any request (incl. stream error events)", five_all, five_all == 0),
+            ("every malformed request answered 4xx", f"{not_4xx} of {bad['sent']} not 4xx", not_4xx == 0),
+            ("0 malformed outputs among valid requests", res.malformed, res.malformed == 0),
+            (
+                "KV freed after each cancelled / disconnected request",
+                f"{len(failed)} of {len(self.checks)} not freed; max residual {residual} B",
+                not failed,
+            ),
+            (
+                "0 KV bytes held at the end",
+                f"held {end['kv_bytes_held']} B, allocated {end['kv_bytes_allocated']} B, "
+                f"reserved {end['kv_bytes_reserved']} B, open jobs {end['open_jobs']}",
+                end_ok,
+            ),
+            (
+                f"RSS flat after warm-up (<= {RSS_GROWTH_LIMIT}x)",
+                "not sampled" if growth is None else f"{growth:.3f}x",
+                None if growth is None else growth <= RSS_GROWTH_LIMIT,
+            ),
+        ]
+        rows = [{"criterion": c, "value": v, "pass": p} for c, v, p in criteria]
+        return {
+            "kinds": self.counts,
+            "malformed_variants": self.variants["malformed"],
+            "cancel_modes": self.variants["cancel"],  # text streams (chunks) or tool calls (delay)
+            "unexpected": self.samples,
+            "errors_5xx_valid": res.errors_5xx,
+            "errors_5xx_all": five_all,
+            "malformed_not_4xx": not_4xx,
+            "malformed_outputs": res.malformed,
+            "release": release,
+            "end": end,
+            "rss_growth": growth,
+            "criteria": rows,
+            "passed": all(r["pass"] is not False for r in rows),
+        }
+
+
 # -- one policy --------------------------------------------------------------------------------
 def run_policy(
     lm: LoadedModel,
@@ -283,17 +737,35 @@ def _drive(service, url: str, name: str, cfg: BenchConfig, bodies: list[dict], p
         c.post(url, json={**bodies[0], "max_tokens": 2, "messages": bodies[0]["messages"][-1:]})
     service.scheduler.peak_held_bytes = service.scheduler.peak_running = 0
     service.scheduler.step_log.clear()
+    mix = HostileMix(service, cfg, url, bodies, httpx) if cfg.hostile else None
     stop_at = time.time() + cfg.max_seconds
 
     def client(k: int) -> None:
+        kinds = request_kinds(cfg, k)
+        rng = random.Random(f"{cfg.seed}:{k}:abort")  # each cancel's mode, chunks and delay
+        n_malformed = 0
         with httpx.Client(timeout=None) as c:
             for j in range(cfg.requests_per_client):
                 if time.time() > stop_at:
                     return
                 body = bodies[(k * cfg.requests_per_client + j) % len(bodies)]
+                kind = next(kinds) if mix else "valid"
                 if progress:
                     progress()
-                r = c.post(url, json=body)
+                if kind != "valid":
+                    # client k sends bad bodies k, k + c, k + 2c, ...: together the clients rotate through all
+                    mix.send(kind, c, body, rng, f"pask-bench-{k}-{j}", k + cfg.concurrency * n_malformed)
+                    n_malformed += kind == "malformed"
+                    continue
+                try:
+                    r = c.post(url, json=body)
+                except httpx.TransportError as e:
+                    if mix is None:
+                        raise
+                    mix.count("valid", "transport_error", f"{type(e).__name__}: {e}")
+                    continue
+                if mix:
+                    mix.count("valid", _status_class(r.status_code), None if r.status_code == 200 else r.text)
                 with lock:
                     res.requests += 1
                     if r.status_code >= 500:
@@ -314,6 +786,7 @@ def _drive(service, url: str, name: str, cfg: BenchConfig, bodies: list[dict], p
         for t in threads:
             t.join()
     res.wall_s = time.perf_counter() - t0
+    end = mix.finish() if mix else None
     if sampler:
         res.memory = memory_summary(sampler.samples)
     sch = service.scheduler
@@ -333,6 +806,8 @@ def _drive(service, url: str, name: str, cfg: BenchConfig, bodies: list[dict], p
         res.decode_tps = res.completion_tokens / decode_wall if decode_wall > 0 else 0.0
         avgs = [o["pask"]["budget"]["b_total_avg"] for o in outs if o["pask"].get("budget")]
         res.b_avg = sum(avgs) / len(avgs) if avgs else None
+    if mix:
+        res.mix = mix.report(res, end)
     return res
 
 
@@ -384,7 +859,8 @@ def bench_serve(
             raise PaskError("warm_prefills needs a prefill store ($PASK_PREFILL_STORE)")
         if progress:
             progress("(prefilling every input into the store)")
-        run_policy(lm, "warm", factories[names[0]], [{**b, "max_tokens": 1} for b in bodies], cfg, on_request)
+        plain = replace(cfg, mix={"valid": 1.0})  # only valid requests fill the store
+        run_policy(lm, "warm", factories[names[0]], [{**b, "max_tokens": 1} for b in bodies], plain, on_request)
     for name in names:
         if progress:
             progress(name)
@@ -494,9 +970,51 @@ def markdown(result: dict) -> str:
                 f"{m['rss_peak_second_mib']:.0f} | {m['rss_growth']:.3f}x | {m['kv_peak_first_mib']:.1f} | "
                 f"{m['kv_peak_second_mib']:.1f} |"
             )
+    for r in result["policies"]:
+        if r.get("mix"):
+            lines += mix_markdown(r["policy"], r["mix"], cfg)
     if result.get("command"):
         lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def mix_markdown(policy: str, mix: dict, cfg: dict) -> list[str]:
+    """A hostile mix's section: requests per kind and outcome, the KV release checks, the criteria."""
+    shares = ", ".join(f"{k} {v:.2f}" for k, v in cfg["mix"].items() if v)
+    lines = [
+        "",
+        f"Hostile mix, {policy} ({shares}; seed {cfg['seed']}; cancels / disconnects close within "
+        f"{cfg['abort_within']:g} s)",
+        "",
+        "| kind | sent | outcomes |",
+        "|---|---|---|",
+    ]
+    for kind, counts in mix["kinds"].items():
+        outcomes = ", ".join(f"{k} {v}" for k, v in counts.items() if k != "sent") or "-"
+        lines.append(f"| {kind} | {counts['sent']} | {outcomes} |")
+    if mix["malformed_variants"]:
+        variants = sorted(mix["malformed_variants"].items())
+        by = "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in c.items()) for name, c in variants)
+        lines += ["", f"Malformed bodies: {by}"]
+    rel = mix["release"]
+    verdicts = ", ".join(f"{k} {v}" for k, v in sorted(rel["verdicts"].items())) or "none"
+    rel_s = "-"
+    if rel["max_release_s"] is not None:
+        rel_s = f"max {rel['max_release_s']:.2f} s, mean {rel['mean_release_s']:.2f} s"
+    lines += [
+        "",
+        f"Cancelled / disconnected requests checked on the server: {rel['checked']} ({verdicts}; cancelled "
+        f"after their first token {rel['with_tokens']}); KV freed {rel_s} after the client's close; max "
+        f"residual {rel['max_residual_bytes']} B",
+        "",
+        "| criterion | value | result |",
+        "|---|---|---|",
+    ]
+    for c in mix["criteria"]:
+        verdict = {True: "PASS", False: "FAIL", None: "not measured"}[c["pass"]]
+        lines.append(f"| {c['criterion']} | {c['value']} | {verdict} |")
+    lines += ["", f"Overall: {'PASS' if mix['passed'] else 'FAIL'}"]
+    return lines
 
 
 def write(result: dict, out: Path, allow_dirty: bool = False) -> tuple[Path, Path]:
