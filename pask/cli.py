@@ -34,6 +34,13 @@ app.add_typer(bench_app, name="bench")
 console = Console(stderr=True)
 
 
+def _error(message: str) -> None:
+    """One error line: never hard-wrapped (a path in it stays copyable), brackets printed as they are."""
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
 def user_errors(fn):
     """Turn PaskError (and a few predictable OS errors) into one message + exit 2."""
 
@@ -42,10 +49,10 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except PaskError as e:
-            console.print(f"[bold red]error:[/] {e}")
+            _error(str(e))
             raise typer.Exit(2) from None
         except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-            console.print(f"[bold red]error:[/] {e.strerror}: {e.filename}")
+            _error(f"{e.strerror}: {e.filename}")
             raise typer.Exit(2) from None
 
     return wrapper
