@@ -363,22 +363,46 @@ def test_arbitrary_bytes_parse_or_get_a_400(raw):
         assert isinstance(body, dict)
 
 
-def test_mutated_bodies_over_http_never_get_a_5xx(server):
-    """Through the server, decoding at most one token; a valid request still succeeds afterwards."""
-    url, service = server
+FUZZ_REQUESTS = 500  # issue 27: >= 500 generated requests over HTTP, 0 responses >= 500
 
-    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(mutated_bodies())
-    def check(body):
+
+@st.composite
+def fuzz_requests(draw) -> tuple[bytes, dict]:
+    """A generated request: a mutated body (JSON), or raw bytes, sometimes with a bad Content-Type."""
+    if draw(st.integers(0, 9)) == 0:
+        raw = draw(st.binary(max_size=64) | st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")))
+    else:
+        body = draw(mutated_bodies())
         if isinstance(body, dict):
             body.pop("max_completion_tokens", None)
             body["max_tokens"] = 1
-        r = _post(url, body)
-        assert r.status_code < 500, r.text
-        if r.status_code >= 400:
-            assert r.json()["error"]["type"].endswith("_error")
+        raw = json.dumps(body).encode()
+    media = draw(st.sampled_from(["application/json"] * 8 + ["text/plain", "application/json; charset=utf-8"]))
+    return raw, {"content-type": media}
 
-    check()
+
+def test_generated_requests_over_http_never_get_a_5xx(server):
+    """500 generated requests through the server, decoding at most one token each: every answer is
+    a 200 or a 4xx in OpenAI's error shape, /health stays ok, a valid request still succeeds."""
+    url, service = server
+    sent, statuses = [0], {}
+
+    with httpx.Client(timeout=120) as client:
+
+        @settings(max_examples=FUZZ_REQUESTS, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(fuzz_requests())
+        def check(request):
+            raw, headers = request
+            r = client.post(f"{url}/v1/chat/completions", content=raw, headers=headers)
+            sent[0] += 1
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, r.text
+            if r.status_code >= 400:
+                assert r.json()["error"]["type"].endswith("_error")
+
+        check()
+        assert client.get(f"{url}/health").json()["status"] == "ok"
+    assert sent[0] >= FUZZ_REQUESTS and statuses.get(200, 0) > 0 and len(statuses) > 2, statuses
     r = _post(url, {**BODY, "max_tokens": 4})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert service.metrics.requests.get("error", 0) == 0
