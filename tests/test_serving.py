@@ -217,6 +217,36 @@ def test_cancel_frees_rows_and_others_go_on(smol):
     assert b.stop in ("eos", "length") and sch.snapshot()["kv_bytes_held"] == 0
 
 
+def test_a_cancel_during_admission_skips_the_prefill_and_ends_running_rows_first(smol, monkeypatch):
+    """The server flags ``Job.cancelled`` from its handler threads while the decode thread prefills
+    a step's admissions one after another: a flagged waiting job is never prefilled, a flagged
+    running one takes no further token."""
+    sch = Scheduler(smol, FullPolicy)
+    run = Job("run", Request(_chat_ids(smol, "Tell me a long story."), max_new_tokens=30))
+    sch.submit(run)
+    sch.step()
+    n = len(run.generated)
+    late = [Job(str(i), Request(_chat_ids(smol, f"Question {i}?"), max_new_tokens=4)) for i in range(3)]
+    for job in late:
+        sch.submit(job)
+    prefilled, prefill = [], sch._prefill
+
+    def prefill_and_cancel(job):
+        prefilled.append(job.id)
+        prefill(job)
+        if job.id == "0":  # as a handler thread would, mid-admission
+            late[1].cancelled = run.cancelled = True
+
+    monkeypatch.setattr(sch, "_prefill", prefill_and_cancel)
+    sch.step()
+    assert prefilled == ["0", "2"] and late[1].stop == "cancelled" and late[1].prefill_ms == 0
+    assert run.stop == "cancelled" and len(run.generated) == n
+    sch.run_until_idle()
+    sch.close()
+    assert late[0].stop in ("eos", "length") and late[2].stop in ("eos", "length")
+    assert sch.snapshot()["kv_bytes_held"] == 0 and sch.reserved == 0
+
+
 # -- the HTTP server ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(smol):

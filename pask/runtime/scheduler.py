@@ -13,7 +13,8 @@ condition and row of one running :class:`~pask.kv.cache.TieredCache`. One :meth:
 1. cancelled requests leave (their rows are dropped, their reservations freed);
 2. waiting requests are admitted while their KV reservation fits the capacity
    (:mod:`pask.runtime.capacity`): each is prefilled alone into a fresh cache, the policy decides
-   its prompt tokens, and its row moves into the running cache (:meth:`TieredCache.adopt`);
+   its prompt tokens, and its row moves into the running cache (:meth:`TieredCache.adopt`); a
+   request cancelled while the ones before it were prefilled is skipped, a running one leaves;
 3. every running request takes its next token (greedy under its grammar, or sampled from its own
    seeded stream ``Job.rng``, with the engine's closing phase: :func:`pask.runtime.tokens.pick_tokens`,
    :func:`pask.runtime.tokens.accept_token`);
@@ -235,7 +236,9 @@ class Scheduler:
         self.waiting.append(job)
 
     def cancel(self, job_id: str) -> bool:
-        """Mark a job cancelled; it leaves at the next step boundary. False if unknown or finished."""
+        """Mark a job cancelled; it leaves at the next step boundary, or before its prefill if it
+        still waits (another thread may set ``Job.cancelled`` itself: it is read before each
+        prefill and after admission). False if unknown or finished."""
         for job in (*self.waiting, *self.running):
             if job.id == job_id and not job.finished:
                 job.cancelled = True
@@ -252,6 +255,8 @@ class Scheduler:
         """One step boundary: cancel, admit, pick one token per running request, retire, decode."""
         self._retire_cancelled()
         self._admit()
+        if any(j.cancelled for j in self.running):  # cancelled while the admitted ones were prefilled
+            self._retire_cancelled()
         if not self.running:
             return
         jobs = list(self.running)
@@ -323,6 +328,11 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting:
             job = self.waiting[0]
+            if job.cancelled:  # cancelled while earlier ones were prefilled (a server flags it from its handler)
+                self.waiting.popleft()
+                job.stop = "cancelled"
+                self._done(job)
+                continue
             full = self.max_batch is not None and len(self.running) >= self.max_batch
             if full or (self.running and not self.capacity.fits(self.reserved + job.reserved)):
                 return

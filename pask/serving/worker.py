@@ -86,10 +86,12 @@ class Worker:
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> None:
         """Take a job out at the next step boundary; ``reason`` ``"timeout"`` counts it as a timeout."""
-        if reason == "timeout":
-            with self._lock:
-                if job_id in self._jobs:
-                    self._timed_out.add(job_id)
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if reason == "timeout" and job is not None:
+                self._timed_out.add(job_id)
+        if job is not None:  # read before each prefill: a step admitting many requests skips this one
+            job.cancelled = True
         self._inbox.put(("cancel", job_id))
 
     def open(self, job_id: str, request) -> tuple[Job, asyncio.Queue]:
