@@ -226,7 +226,7 @@ def test_a_cancel_during_admission_skips_the_prefill_and_ends_running_rows_first
     sch.submit(run)
     sch.step()
     n = len(run.generated)
-    late = [Job(str(i), Request(_chat_ids(smol, f"Question {i}?"), max_new_tokens=4)) for i in range(3)]
+    late = [Job(str(i), Request(_chat_ids(smol, f"Question {i}?"), max_new_tokens=4)) for i in range(4)]
     for job in late:
         sch.submit(job)
     prefilled, prefill = [], sch._prefill
@@ -235,11 +235,13 @@ def test_a_cancel_during_admission_skips_the_prefill_and_ends_running_rows_first
         prefilled.append(job.id)
         prefill(job)
         if job.id == "0":  # as a handler thread would, mid-admission
-            late[1].cancelled = run.cancelled = True
+            late[1].cancelled = late[3].cancelled = run.cancelled = True
 
     monkeypatch.setattr(sch, "_prefill", prefill_and_cancel)
     sch.step()
     assert prefilled == ["0", "2"] and late[1].stop == "cancelled" and late[1].prefill_ms == 0
+    # every flagged waiting job ends before the next prefill, not when it reaches the queue's head
+    assert late[3].stop == "cancelled" and late[3].t_finish < late[2].t_admit
     assert run.stop == "cancelled" and len(run.generated) == n
     sch.run_until_idle()
     sch.close()

@@ -327,12 +327,10 @@ class Scheduler:
     # -- admission and prefill ------------------------------------------------------------------
     def _admit(self) -> None:
         while self.waiting:
-            job = self.waiting[0]
-            if job.cancelled:  # cancelled while earlier ones were prefilled (a server flags it from its handler)
-                self.waiting.popleft()
-                job.stop = "cancelled"
-                self._done(job)
+            if any(j.cancelled for j in self.waiting):  # flagged by a server's handler during earlier prefills
+                self._retire_waiting()
                 continue
+            job = self.waiting[0]
             full = self.max_batch is not None and len(self.running) >= self.max_batch
             if full or (self.running and not self.capacity.fits(self.reserved + job.reserved)):
                 return
@@ -421,11 +419,14 @@ class Scheduler:
         self.peak_held_bytes = max(self.peak_held_bytes, self.cache.held_bytes())
 
     # -- leaving --------------------------------------------------------------------------------
-    def _retire_cancelled(self) -> None:
+    def _retire_waiting(self) -> None:
         for job in [j for j in self.waiting if j.cancelled]:
             self.waiting.remove(job)
             job.stop = "cancelled"
             self._done(job)
+
+    def _retire_cancelled(self) -> None:
+        self._retire_waiting()
         for job in [j for j in self.running if j.cancelled and not j.finished]:
             job.stop = "cancelled"
             self._finish(job)
