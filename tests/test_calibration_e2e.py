@@ -20,7 +20,7 @@ def _lines(path) -> int:
 def test_tiny_calibration_writes_files_and_resumes(smol, tmp_path):
     torch.set_num_threads(1)
     out = tmp_path / "smol-bfcl.json"
-    kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=32)
+    kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=16)
     events: list[tuple[str, int, int]] = []
 
     # 1. control only (no bucket selected): enumerates the buckets

@@ -353,7 +353,7 @@ def test_ray_matches_in_process(tmp_path, smol):
     ray = pytest.importorskip("ray")
     from pask.experiments.ray_shards import run_cells_ray
 
-    data = smol_config(tmp_path, policies=["full", "kivi-4"], budgets=[0.5])
+    data = smol_config(tmp_path, policies=["kivi-4"], budgets=[0.5])  # one cell, two shards: the merge is the point
     data["bfcl"] = {"categories": ["simple", "multiple"], "limit": 1, "batch_size": 2, "max_new_tokens": 12}
     local = parse_config(data, tmp_path)
     run_sweep(local, load=lambda m, d: smol)
