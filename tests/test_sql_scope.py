@@ -1,0 +1,116 @@
+"""The scope analysis of SQL queries (issue 28): every column a (sub-)query names must come from its FROM clause."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pask.structure.sql_scope import ScopeState, scope_errors
+from pask.tasks.text_to_sql import load_cases, load_schema
+
+
+@pytest.fixture(scope="module")
+def poker():
+    return load_schema("poker_player")
+
+
+@pytest.fixture(scope="module")
+def concert():
+    return load_schema("concert_singer")
+
+
+def _names(sql: str, schema) -> list[str]:
+    return [e.name for e in scope_errors(sql, schema)]
+
+
+@pytest.mark.parametrize(
+    ("sql", "missing"),
+    [
+        # the issue's examples: Name and Height are columns of people, not of poker_player
+        ("SELECT Name FROM poker_player ORDER BY Earnings DESC", ["name"]),
+        ("SELECT AVG(Earnings) FROM poker_player WHERE Height > 200", ["height"]),
+        ("SELECT T1.Height FROM poker_player AS T1", ["t1.height"]),  # qualified: T1 is poker_player
+        ("SELECT T3.Name FROM people AS T1", ["t3.name"]),  # an unbound qualifier
+        ("SELECT Name FROM people WHERE People_ID IN (SELECT People_ID FROM poker_player WHERE Height > 1)", []),
+        # GROUP BY / ORDER BY of a sub-query see its own tables only (SQLite), WHERE sees the outer ones
+        ("SELECT Name FROM people WHERE People_ID IN (SELECT People_ID FROM poker_player GROUP BY Height)", ["height"]),
+        ("SELECT Name FROM people WHERE People_ID IN (SELECT People_ID FROM poker_player ORDER BY Name)", ["name"]),
+    ],
+)
+def test_out_of_scope_columns_are_named(poker, sql, missing):
+    assert _names(sql, poker) == missing
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        # an alias used in SELECT and bound later in FROM
+        "SELECT T1.Name, T2.Earnings FROM people AS T1 JOIN poker_player AS T2 ON T1.People_ID = T2.People_ID",
+        # the same table twice under two aliases
+        "SELECT T1.Name FROM people AS T1 JOIN people AS T2 ON T1.People_ID = T2.People_ID JOIN poker_player AS T3 "
+        "ON T3.People_ID = T2.People_ID",
+        # select aliases in ORDER BY and HAVING
+        "SELECT Nationality, COUNT(*) AS cnt FROM people GROUP BY Nationality HAVING cnt > 1 ORDER BY cnt DESC",
+        # a derived table (its columns are not checked) and a correlated sub-query in WHERE
+        "SELECT T.n FROM (SELECT Name AS n FROM people) AS T",
+        "SELECT Name FROM people AS P WHERE EXISTS (SELECT 1 FROM poker_player WHERE People_ID = P.People_ID)",
+        # set operations: each core has its own FROM
+        "SELECT Name FROM people WHERE Height > 190 UNION SELECT Name FROM people WHERE Birth_Date LIKE '%1980%'",
+        "SELECT People_ID FROM poker_player INTERSECT SELECT People_ID FROM people ORDER BY People_ID",
+        # a double-quoted word names a column in scope or is a string (SQLite): never out of scope
+        'SELECT Name FROM people WHERE Nationality = "Earnings"',
+        # CAST types, functions and aggregates are not columns
+        "SELECT CAST(Height AS INTEGER), max(Height), lower(Name) FROM people",
+        'SELECT "Name" FROM people',
+    ],
+)
+def test_in_scope_queries_pass(poker, sql):
+    assert _names(sql, poker) == []
+
+
+def test_a_missing_column_is_an_error_until_a_join_provides_it(poker):
+    """What a decoder asks before it lets the FROM clause end: the open frame's errors so far."""
+    state = ScopeState(poker)
+    state.feed("SELECT Name FROM poker_player")
+    assert [e.name for e in state.frame_errors()] == ["name"]
+    state.feed(" JOIN people ON poker_player.People_ID = people.People_ID")
+    assert state.frame_errors() == [] and state.errors() == []
+
+
+def test_each_sub_query_has_its_own_scope(concert):
+    inner = "SELECT Singer_ID FROM singer_in_concert"
+    assert _names(f"SELECT Name FROM singer WHERE Singer_ID IN ({inner})", concert) == []
+    # Capacity is a column of stadium: neither the sub-query's table nor the outer one has it
+    assert _names(f"SELECT Name FROM singer WHERE Singer_ID IN ({inner} WHERE Capacity > 1)", concert) == ["capacity"]
+    # an alias bound inside a sub-query is not visible outside it
+    sql = f"SELECT T2.Name FROM singer AS T1 WHERE Singer_ID IN ({inner} AS T2)"
+    assert _names(sql, concert) == ["t2.name"]
+    # the outer query's alias is visible inside (a correlated sub-query)
+    sql = "SELECT Name FROM singer AS T1 WHERE EXISTS (SELECT 1 FROM singer_in_concert WHERE Singer_ID = T1.Singer_ID)"
+    assert _names(sql, concert) == []
+
+
+def test_every_gold_query_of_spider_dev_is_in_scope():
+    schemas: dict = {}
+    flagged = []
+    cases = load_cases()
+    assert len(cases) == 740
+    for case in cases:
+        schema = schemas.setdefault(case.db_id, load_schema(case.db_id))
+        errors = scope_errors(case.gold_sql, schema)
+        if errors:
+            flagged.append(f"{case.id}: {[str(e) for e in errors]} {case.gold_sql}")
+    assert not flagged, "\n".join(flagged)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(range(740)), st.sampled_from(["upper", "lower", "spaces"]))
+def test_gold_queries_stay_in_scope_with_other_case_and_spacing(i, how):
+    case = load_cases()[i]
+    sql = case.gold_sql
+    if how == "spaces":
+        sql = sql.replace(" ", "   ").replace(",", " , ").replace("(", " ( ")
+    elif "'" not in sql and '"' not in sql:  # literals keep their case
+        sql = sql.upper() if how == "upper" else sql.lower()
+    assert scope_errors(sql, load_schema(case.db_id)) == []
