@@ -114,3 +114,105 @@ def test_gold_queries_stay_in_scope_with_other_case_and_spacing(i, how):
     elif "'" not in sql and '"' not in sql:  # literals keep their case
         sql = sql.upper() if how == "upper" else sql.lower()
     assert scope_errors(sql, load_schema(case.db_id)) == []
+
+
+# -- scope-aware decoding: the constraint's masks ---------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_ll(qwen_tokenizer):
+    from pask.runtime.tokens import eos_ids
+    from pask.structure.constraint import ll_tokenizer
+
+    eos = eos_ids(qwen_tokenizer)
+    return qwen_tokenizer, ll_tokenizer(qwen_tokenizer, eos), eos
+
+
+def _scoped(qwen_ll, db_id: str, text: str = ""):
+    """A ScopedConstraint on ``db_id`` that has consumed ``text``."""
+    from pask.structure.sql_grammar import sql_grammar
+    from pask.structure.sql_scope import ScopedConstraint
+
+    tok, ll, eos = qwen_ll
+    schema = load_schema(db_id)
+    c = ScopedConstraint(ll, sql_grammar(schema), schema, eos)
+    for t in tok.encode(text, add_special_tokens=False):
+        c.consume(t)
+    return c
+
+
+def _allowed(c, token_ids: list[int]) -> list[bool]:
+    from pask.structure.constraint import allocate_mask
+
+    bm = allocate_mask(1, c.vocab_size)
+    c.mask(bm, 0)
+    return [bool((int(bm[0, t >> 5]) >> (t & 31)) & 1) for t in token_ids]
+
+
+def _ids(qwen_ll, *words: str) -> list[int]:
+    """The first token of each word (a prefix: the masks judge prefixes of names)."""
+    tok = qwen_ll[0]
+    return [tok.encode(w, add_special_tokens=False)[0] for w in words]  # the first token of each word
+
+
+def test_decoding_rejects_an_out_of_scope_column_after_from(qwen_ll):
+    c = _scoped(qwen_ll, "poker_player", "SELECT AVG(Earnings) FROM poker_player WHERE")
+    assert _allowed(c, _ids(qwen_ll, " Height", " Earnings")) == [False, True]
+    c = _scoped(qwen_ll, "poker_player", "SELECT Name FROM people AS T1 WHERE T1.")
+    assert _allowed(c, _ids(qwen_ll, "Height", "Earnings")) == [True, False]
+
+
+def test_decoding_forces_a_join_before_the_query_closes(qwen_ll):
+    eos = qwen_ll[2][0]
+    c = _scoped(qwen_ll, "poker_player", "SELECT Name FROM poker_player")
+    assert _allowed(c, [eos, *_ids(qwen_ll, " ORDER", " WHERE", ";", " JOIN")]) == [False] * 4 + [True]
+    c = _scoped(
+        qwen_ll,
+        "poker_player",
+        "SELECT Name FROM poker_player JOIN people ON poker_player.People_ID = people.People_ID",
+    )
+    assert _allowed(c, [eos, *_ids(qwen_ll, " ORDER", " WHERE")]) == [True, True, True]
+
+
+def test_decoding_lets_an_alias_be_bound_later_in_from(qwen_ll):
+    eos = qwen_ll[2][0]
+    c = _scoped(qwen_ll, "poker_player", "SELECT T1.Name FROM people AS T1")
+    assert _allowed(c, [eos]) == [True]
+    c = _scoped(qwen_ll, "poker_player", "SELECT T2.Name FROM people AS T1")  # T2 never bound: no end yet
+    assert _allowed(c, [eos, *_ids(qwen_ll, " JOIN")]) == [False, True]
+
+
+def test_decoding_gives_a_sub_query_its_own_scope(qwen_ll):
+    text = "SELECT Name FROM people WHERE People_ID IN (SELECT People_ID FROM poker_player"
+    c = _scoped(qwen_ll, "poker_player", text + " GROUP BY")
+    assert _allowed(c, _ids(qwen_ll, " Height", " Earnings")) == [False, True]  # GROUP BY: its own tables
+    c = _scoped(qwen_ll, "poker_player", text + " WHERE")
+    assert _allowed(c, _ids(qwen_ll, " Height", " Earnings")) == [True, True]  # WHERE: the outer ones too
+    # Capacity is stadium's: the sub-query cannot end before it joins stadium
+    c = _scoped(qwen_ll, "concert_singer", "SELECT Name FROM singer WHERE Singer_ID IN (SELECT Capacity FROM concert")
+    assert _allowed(c, _ids(qwen_ll, ")", " JOIN")) == [False, True]
+
+
+@pytest.mark.veryslow  # ~8 min: every token of 740 queries through the scope masks
+def test_every_gold_query_decodes_under_the_scope_constraint(qwen_ll):
+    """Each of the 740 gold queries, token by token: every token allowed, then EOS allowed."""
+    from pask.structure.constraint import allocate_mask
+    from pask.structure.sql_grammar import sql_grammar
+    from pask.structure.sql_scope import ScopedConstraint
+
+    tok, ll, eos = qwen_ll
+    grammars: dict = {}
+    refused = []
+    for case in load_cases():
+        schema, grammar = grammars.get(case.db_id) or grammars.setdefault(
+            case.db_id, (load_schema(case.db_id), sql_grammar(load_schema(case.db_id)))
+        )
+        c = ScopedConstraint(ll, grammar, schema, eos)
+        bm = allocate_mask(1, c.vocab_size)
+        for t in [*tok.encode(case.gold_sql, add_special_tokens=False), eos[0]]:
+            c.mask(bm, 0)
+            if not (int(bm[0, t >> 5]) >> (t & 31)) & 1:
+                refused.append(f"{case.id} at {c.text!r} + {tok.decode([t])!r}: {case.gold_sql}")
+                break
+            if t != eos[0]:
+                c.consume(t)
+        assert c.fallbacks == 0, case.id
+    assert not refused, "\n".join(refused[:20])

@@ -22,8 +22,15 @@ after a compound names the result's columns and is not checked.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 
+import llguidance
+import numpy as np
+import torch
+
+from pask.structure.constraint import Constraint
 from pask.structure.sql_grammar import AGGREGATES, CAST_TYPES, FUNCTIONS, KEYWORDS
 from pask.structure.sql_schema import Schema
 
@@ -207,6 +214,20 @@ class ScopeState:
         else:
             frame.qualified.append((qualifier, low))
 
+    @staticmethod
+    def _in_literal(text: str) -> bool:
+        """Whether ``text`` ends inside a string literal or a quoted name (an unterminated lexeme)."""
+        last = None
+        for m in _LEXEME.finditer(text):
+            last = m
+        if last is None or last.lastgroup not in ("str", "qid"):
+            return False
+        lexeme = last.group()
+        close = {"'": "'", '"': '"', "`": "`", "[": "]"}[lexeme[0]]
+        if len(lexeme) == 1 or not lexeme.endswith(close):
+            return True
+        return close != "]" and len(lexeme) > 2 and lexeme.endswith(close * 2)  # an escaped quote, still open
+
     # -- scope ------------------------------------------------------------------------------------
     def _binding(self, qualifier: str, upto: int) -> tuple[bool, str | None]:
         """Whether ``qualifier`` is bound in the frames up to ``upto`` (innermost first), and its table."""
@@ -266,3 +287,179 @@ def scope_errors(sql: str, schema: Schema) -> list[ScopeError]:
     state = ScopeState(schema)
     state.feed(sql)
     return state.errors()
+
+
+# -- scope-aware decoding -------------------------------------------------------------------------
+_IDENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_PARTIAL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
+_EXITS = frozenset(("where", "group", "order", "limit", "union", "intersect", "except"))
+_WORDS = frozenset((*_KEYWORDS, *_CALLABLE, *CAST_TYPES))
+
+
+def _prefixes(words) -> frozenset[str]:
+    return frozenset(w[:i] for w in words for i in range(1, len(w) + 1))
+
+
+@lru_cache(maxsize=8)
+def _token_texts(ll_tok: llguidance.LLTokenizer) -> tuple[str, ...]:
+    return tuple(ll_tok.decode_bytes([i]).decode("utf-8", "replace") for i in range(ll_tok.vocab_size))
+
+
+def _word_ok(partial: str, text: str, words: frozenset[str], prefixes: frozenset[str]) -> bool:
+    """Whether ``text`` after ``partial`` (the identifier being written) keeps that identifier one of
+    ``words`` (complete) or on the way to one (a prefix); numbers, strings and quoted names pass."""
+    w = partial
+    for ch in text:
+        if ch in _IDENT_CHARS:
+            w += ch
+            continue
+        if not w and ch in " \t\r\n":
+            continue
+        return not w or w[0].isdigit() or w.lower() in words
+    return not w or w[0].isdigit() or w.lower() in prefixes
+
+
+class ScopedConstraint(Constraint):
+    """The SQL grammar's constraint, and the scope of the query written so far (issue 28).
+
+    On top of the grammar's mask (AND) it removes the tokens that would
+
+    * end a FROM clause (``WHERE``, ``GROUP``, ``ORDER``, ``LIMIT``, a set operation, the ``)`` of a
+      sub-query, ``;``, EOS) while the (sub-)query names a column that none of its tables provides
+      or a qualifier it has not bound (:meth:`ScopeState.frame_errors`): the query must first JOIN
+      the table that has it;
+    * write, after the FROM clause (WHERE, GROUP BY, HAVING, ORDER BY), a column that no table in
+      scope has (GROUP BY / ORDER BY of a sub-query: its own tables), or, after ``T.``, a column
+      that ``T``'s table lacks.
+
+    Unqualified names in the select list are free when written (the FROM clause comes after them).
+    If the scope would leave no token at all, the grammar's mask stands (``fallbacks`` counts it).
+    ``seconds`` sums the time the scope masks took.
+    """
+
+    def __init__(self, ll_tok: llguidance.LLTokenizer, lark: str, schema: Schema, eos_ids: list[int]) -> None:
+        super().__init__(ll_tok, lark)
+        self.schema = schema
+        self._texts = _token_texts(ll_tok)
+        self._eos = [i for i in eos_ids if i < self.vocab_size]
+        self._pieces: list[str] = []
+        self.text = ""
+        probe = ScopeState(schema)
+        self._columns = {t: frozenset(c) for t, c in probe.table_columns.items()}
+        self._names = frozenset((*probe.all_columns, *probe.table_columns))
+        self._non_exit = _prefixes((_WORDS - _EXITS) | self._names)
+        self._cache: dict = {}
+        self.seconds = 0.0
+        self.fallbacks = 0
+
+    def consume(self, token: int) -> None:
+        super().consume(token)
+        piece = "" if token in self._eos else self._texts[token]
+        self._pieces.append(piece)
+        self.text += piece
+
+    def rollback(self, n: int) -> None:
+        super().rollback(n)
+        for _ in range(n):
+            piece = self._pieces.pop()
+            self.text = self.text[: len(self.text) - len(piece)]
+
+    def mask(self, bitmask: torch.Tensor, row: int) -> None:
+        super().mask(bitmask, row)
+        t0 = time.perf_counter()
+        try:
+            self._scope_mask(bitmask, row)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    # -- the rules --------------------------------------------------------------------------------
+    def _rule(self, head: str, partial: str):
+        """(key, check, block_eos) for a token written after ``head`` + ``partial`` (the identifier it
+        continues; empty: a token that starts a new lexeme); None: nothing to check."""
+        if partial and head[-1:].isdigit():  # inside a number such as 1e5: not an identifier
+            return None
+        state = ScopeState(self.schema)
+        state.feed(head)
+        if state._in_literal(head):
+            return None
+        frame = state.frames[-1]
+        upto = len(state.frames) - 1
+        if state._expect == "member":
+            bound, table = state._binding(state._qualifier, upto)
+            if not bound or table is None:
+                return None
+            words = self._columns[table]
+            return ("member", table, partial), lambda t: _word_ok(partial, t, words, _prefixes(words)), False
+        if frame.clause in ("where", "group", "having", "order") and state._expect == "expr":
+            if frame.compound and frame.clause == "order":
+                return None
+            local = frame.clause in ("group", "order")
+            frames = state.frames[-1:] if local else state.frames
+            if any(table is None for f in frames for table in f.tables.values()):
+                return None  # a derived table: its columns are not known here
+            columns = {c for f in frames for table in f.tables.values() for c in self._columns[table]}
+            bindings = {b for f in state.frames for b in f.tables}
+            aliases = {a for f in frames for a in f.aliases}
+            words = frozenset(columns | bindings | aliases | _WORDS)
+            key = ("expr", words, partial)
+            return key, lambda t: _word_ok(partial, t, words, self._prefix_set(words)), False
+        if frame.clause == "from" and state.frame_errors():
+            closing = state.depth - frame.depth + 1 if upto else None  # the ")" that would end this sub-query
+            key = ("exit", partial, closing)
+            return key, lambda t: self._no_exit(partial, t, closing), True
+        return None
+
+    def _prefix_set(self, words: frozenset[str]) -> frozenset[str]:
+        got = self._cache.get(("prefixes", words))
+        if got is None:
+            got = self._cache[("prefixes", words)] = _prefixes(words)
+        return got
+
+    def _no_exit(self, partial: str, text: str, closing: int | None) -> bool:
+        w, depth = partial, 0
+        for ch in text:
+            if ch in _IDENT_CHARS:
+                w += ch
+                continue
+            if w.lower() in _EXITS:
+                return False
+            w = ""
+            if ch == ";":
+                return False
+            depth += (ch == "(") - (ch == ")")
+            if closing is not None and -depth >= closing:
+                return False
+        low = w.lower()
+        return not low or low[0].isdigit() or low in self._non_exit or not any(e.startswith(low) for e in _EXITS)
+
+    def _scope_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        m = _PARTIAL.search(self.text)
+        partial = m.group() if m else ""
+        # a token that goes on with the identifier at the end of the text, and one that ends it
+        going_on = self._rule(self.text[: len(self.text) - len(partial)], partial) if partial else None
+        new = self._rule(self.text, "")
+        if going_on is None and new is None:
+            return
+        words = bitmask[row].numpy().view(np.uint32)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        allowed = np.flatnonzero(bits)
+        bad = []
+        for i in allowed.tolist():
+            text = self._texts[i]
+            rule = going_on if partial and i not in self._eos and text[:1] in _IDENT_CHARS else new
+            if rule is None:
+                continue
+            key, check, block_eos = rule
+            verdicts = self._cache.setdefault(key, {})
+            ok = verdicts.get(i)
+            if ok is None:
+                ok = verdicts[i] = (not block_eos) if i in self._eos else check(text)
+            if not ok:
+                bad.append(i)
+        if not bad:
+            return
+        if len(bad) == len(allowed):
+            self.fallbacks += 1
+            return
+        bad_ids = np.asarray(bad, dtype=np.int64)
+        np.bitwise_and.at(words, bad_ids >> 5, ~(np.uint32(1) << (bad_ids & 31).astype(np.uint32)))
