@@ -191,7 +191,7 @@ def test_decoding_gives_a_sub_query_its_own_scope(qwen_ll):
     assert _allowed(c, _ids(qwen_ll, ")", " JOIN")) == [False, True]
 
 
-@pytest.mark.veryslow  # ~8 min: every token of 740 queries through the scope masks
+@pytest.mark.slow  # ~25 s: every token of 740 queries through the grammar and scope masks
 def test_every_gold_query_decodes_under_the_scope_constraint(qwen_ll):
     """Each of the 740 gold queries, token by token: every token allowed, then EOS allowed."""
     from pask.structure.constraint import allocate_mask

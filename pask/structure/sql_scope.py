@@ -292,6 +292,7 @@ def scope_errors(sql: str, schema: Schema) -> list[ScopeError]:
 # -- scope-aware decoding -------------------------------------------------------------------------
 _IDENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 _PARTIAL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
+_RUN = re.compile(r"[A-Za-z0-9_]+")
 _EXITS = frozenset(("where", "group", "order", "limit", "union", "intersect", "except"))
 _WORDS = frozenset((*_KEYWORDS, *_CALLABLE, *CAST_TYPES))
 
@@ -300,23 +301,59 @@ def _prefixes(words) -> frozenset[str]:
     return frozenset(w[:i] for w in words for i in range(1, len(w) + 1))
 
 
-@lru_cache(maxsize=8)
-def _token_texts(ll_tok: llguidance.LLTokenizer) -> tuple[str, ...]:
-    return tuple(ll_tok.decode_bytes([i]).decode("utf-8", "replace") for i in range(ll_tok.vocab_size))
+class _Vocab:
+    """Each token's identifier runs, indexed for the scope masks (built once per tokenizer).
+
+    ``new`` / ``cont``: a token read as a new lexeme (leading whitespace skipped; its first run
+    starts with a letter or ``_``) / as going on with an identifier (it starts with a run): its
+    first run, lower-cased, to token ids, split by whether the run ends inside the token
+    (``"T"``, terminated) or at its end (``"O"``, open).
+    """
+
+    def __init__(self, ll_tok: llguidance.LLTokenizer) -> None:
+        n = ll_tok.vocab_size
+        self.texts = [ll_tok.decode_bytes([i]).decode("utf-8", "replace") for i in range(n)]
+        self.word_start = np.zeros(n, bool)  # a new lexeme that is a word
+        self.cont_start = np.zeros(n, bool)  # starts with an identifier character
+        self.semicolon = np.zeros(n, bool)
+        self.close = np.zeros(n, bool)  # holds a ")" before any "(" (ends one level)
+        self.exit_word = np.zeros(n, bool)  # a complete run after the first is an exit keyword
+        self.exit_first = np.zeros(n, bool)  # ... or the first run is (read as a new lexeme)
+        new: dict[tuple[str, str], list[int]] = {}
+        cont: dict[tuple[str, str], list[int]] = {}
+        self.last_open: dict[str, list[int]] = {}  # the token's last run, open, lower-cased
+        for i, text in enumerate(self.texts):
+            runs = list(_RUN.finditer(text))
+            self.semicolon[i] = ";" in text
+            depth = 0
+            for ch in text:
+                depth += (ch == "(") - (ch == ")")
+                if depth < 0:
+                    self.close[i] = True
+                    break
+            if not runs:
+                continue
+            first = runs[0]
+            low = first.group().lower()
+            end = "O" if first.end() == len(text) else "T"
+            if first.start() == 0:
+                self.cont_start[i] = True
+                cont.setdefault((end, low), []).append(i)
+            if not text[: first.start()].strip() and not low[0].isdigit():
+                self.word_start[i] = True
+                new.setdefault((end, low), []).append(i)
+                self.exit_first[i] = end == "T" and low in _EXITS
+            self.exit_word[i] = any(r.group().lower() in _EXITS and r.end() < len(text) for r in runs[1:])
+            if runs[-1].end() == len(text):
+                self.last_open.setdefault(runs[-1].group().lower(), []).append(i)
+        self.new = {k: np.asarray(v) for k, v in new.items()}
+        self.cont = {k: np.asarray(v) for k, v in cont.items()}
+        self.last_open_ids = {k: np.asarray(v) for k, v in self.last_open.items()}
 
 
-def _word_ok(partial: str, text: str, words: frozenset[str], prefixes: frozenset[str]) -> bool:
-    """Whether ``text`` after ``partial`` (the identifier being written) keeps that identifier one of
-    ``words`` (complete) or on the way to one (a prefix); numbers, strings and quoted names pass."""
-    w = partial
-    for ch in text:
-        if ch in _IDENT_CHARS:
-            w += ch
-            continue
-        if not w and ch in " \t\r\n":
-            continue
-        return not w or w[0].isdigit() or w.lower() in words
-    return not w or w[0].isdigit() or w.lower() in prefixes
+@lru_cache(maxsize=4)
+def _vocab(ll_tok: llguidance.LLTokenizer) -> _Vocab:
+    return _Vocab(ll_tok)
 
 
 class ScopedConstraint(Constraint):
@@ -333,28 +370,30 @@ class ScopedConstraint(Constraint):
       that ``T``'s table lacks.
 
     Unqualified names in the select list are free when written (the FROM clause comes after them).
-    If the scope would leave no token at all, the grammar's mask stands (``fallbacks`` counts it).
-    ``seconds`` sums the time the scope masks took.
+    The masks are numpy operations over token classes precomputed per tokenizer (:class:`_Vocab`),
+    cached per legal word set. If the scope would leave no token at all, the grammar's mask stands
+    (``fallbacks`` counts it). ``seconds`` sums the time the scope masks took.
     """
 
     def __init__(self, ll_tok: llguidance.LLTokenizer, lark: str, schema: Schema, eos_ids: list[int]) -> None:
         super().__init__(ll_tok, lark)
         self.schema = schema
-        self._texts = _token_texts(ll_tok)
+        self._v = _vocab(ll_tok)
         self._eos = [i for i in eos_ids if i < self.vocab_size]
         self._pieces: list[str] = []
         self.text = ""
         probe = ScopeState(schema)
         self._columns = {t: frozenset(c) for t, c in probe.table_columns.items()}
-        self._names = frozenset((*probe.all_columns, *probe.table_columns))
-        self._non_exit = _prefixes((_WORDS - _EXITS) | self._names)
-        self._cache: dict = {}
+        names = frozenset((*probe.all_columns, *probe.table_columns))
+        non_exit = _prefixes((_WORDS - _EXITS) | names)
+        self._exit_only = frozenset(p for p in _prefixes(_EXITS) if p not in non_exit)
+        self._good: dict = {}  # (legal words) -> tokens a new lexeme may be
         self.seconds = 0.0
         self.fallbacks = 0
 
     def consume(self, token: int) -> None:
         super().consume(token)
-        piece = "" if token in self._eos else self._texts[token]
+        piece = "" if token in self._eos else self._v.texts[token]
         self._pieces.append(piece)
         self.text += piece
 
@@ -373,11 +412,8 @@ class ScopedConstraint(Constraint):
             self.seconds += time.perf_counter() - t0
 
     # -- the rules --------------------------------------------------------------------------------
-    def _rule(self, head: str, partial: str):
-        """(key, check, block_eos) for a token written after ``head`` + ``partial`` (the identifier it
-        continues; empty: a token that starts a new lexeme); None: nothing to check."""
-        if partial and head[-1:].isdigit():  # inside a number such as 1e5: not an identifier
-            return None
+    def _context(self, head: str):
+        """What a token after ``head`` may write: ("words", legal words) | ("exit", closing) | None."""
         state = ScopeState(self.schema)
         state.feed(head)
         if state._in_literal(head):
@@ -386,80 +422,126 @@ class ScopedConstraint(Constraint):
         upto = len(state.frames) - 1
         if state._expect == "member":
             bound, table = state._binding(state._qualifier, upto)
-            if not bound or table is None:
-                return None
-            words = self._columns[table]
-            return ("member", table, partial), lambda t: _word_ok(partial, t, words, _prefixes(words)), False
+            return ("words", self._columns[table]) if bound and table is not None else None
         if frame.clause in ("where", "group", "having", "order") and state._expect == "expr":
             if frame.compound and frame.clause == "order":
                 return None
-            local = frame.clause in ("group", "order")
-            frames = state.frames[-1:] if local else state.frames
+            frames = state.frames[-1:] if frame.clause in ("group", "order") else state.frames
             if any(table is None for f in frames for table in f.tables.values()):
                 return None  # a derived table: its columns are not known here
             columns = {c for f in frames for table in f.tables.values() for c in self._columns[table]}
             bindings = {b for f in state.frames for b in f.tables}
             aliases = {a for f in frames for a in f.aliases}
-            words = frozenset(columns | bindings | aliases | _WORDS)
-            key = ("expr", words, partial)
-            return key, lambda t: _word_ok(partial, t, words, self._prefix_set(words)), False
+            return "words", frozenset(columns | bindings | aliases | _WORDS)
         if frame.clause == "from" and state.frame_errors():
-            closing = state.depth - frame.depth + 1 if upto else None  # the ")" that would end this sub-query
-            key = ("exit", partial, closing)
-            return key, lambda t: self._no_exit(partial, t, closing), True
+            return "exit", (state.depth - frame.depth + 1 if upto else None)
         return None
 
-    def _prefix_set(self, words: frozenset[str]) -> frozenset[str]:
-        got = self._cache.get(("prefixes", words))
-        if got is None:
-            got = self._cache[("prefixes", words)] = _prefixes(words)
-        return got
+    def _new_good(self, words: frozenset[str]) -> np.ndarray:
+        """Tokens that, as a new lexeme, start one of ``words`` (or are no word at all)."""
+        good = self._good.get(words)
+        if good is None:
+            v = self._v
+            good = ~v.word_start
+            for w in words:
+                if (ids := v.new.get(("T", w))) is not None:
+                    good[ids] = True
+            for p in _prefixes(words):
+                if (ids := v.new.get(("O", p))) is not None:
+                    good[ids] = True
+            if len(self._good) > 64:
+                self._good.clear()
+            self._good[words] = good
+        return good
 
-    def _no_exit(self, partial: str, text: str, closing: int | None) -> bool:
-        w, depth = partial, 0
-        for ch in text:
-            if ch in _IDENT_CHARS:
-                w += ch
-                continue
-            if w.lower() in _EXITS:
-                return False
-            w = ""
-            if ch == ";":
-                return False
-            depth += (ch == "(") - (ch == ")")
-            if closing is not None and -depth >= closing:
-                return False
-        low = w.lower()
-        return not low or low[0].isdigit() or low in self._non_exit or not any(e.startswith(low) for e in _EXITS)
+    def _bad(self, partial: str) -> np.ndarray | None:
+        """Tokens the scope forbids next (a boolean mask over the vocabulary), None: none."""
+        v = self._v
+        new = self._context(self.text)
+        going_on = self._context(self.text[: len(self.text) - len(partial)]) if partial else None
+        if partial and self.text[: len(self.text) - len(partial)][-1:].isdigit():
+            going_on = None  # inside a number such as 1e5
+        bad = None
+        cont = v.cont_start if partial else np.zeros_like(v.cont_start)
+        if new is not None:  # tokens that start a new lexeme (after a complete word, or no word)
+            kind, arg = new
+            if kind == "words":
+                b = ~self._new_good(arg)
+            else:
+                b = v.semicolon | v.exit_word | v.exit_first
+                if arg == 1:
+                    b = b | v.close
+                elif arg is not None:
+                    b = b | self._closes(arg)
+                for p in self._exit_only:
+                    if (ids := v.last_open_ids.get(p)) is not None:
+                        b[ids] = True
+                b = b.copy()
+                b[self._eos] = True
+            bad = b & ~cont
+        if going_on is not None:  # tokens that go on with the identifier at the end of the text
+            kind, arg = going_on
+            if kind == "words":
+                good = np.zeros_like(cont)
+                low = partial.lower()
+                for w in arg:
+                    if w.startswith(low) and len(w) > len(low):
+                        rest = w[len(low) :]
+                        if (ids := v.cont.get(("T", rest))) is not None:
+                            good[ids] = True
+                        for k in range(1, len(rest) + 1):
+                            if (ids := v.cont.get(("O", rest[:k]))) is not None:
+                                good[ids] = True
+                b = cont & ~good
+            else:
+                b = cont & (v.semicolon | v.exit_word | (v.close if arg == 1 else False))
+                if any(e.startswith(partial.lower()) for e in _EXITS):
+                    b = b | (cont & self._cont_exits(partial))
+            bad = b if bad is None else bad | b
+        return bad
+
+    def _closes(self, levels: int) -> np.ndarray:
+        v = self._v
+        out = np.zeros_like(v.close)
+        for i in np.flatnonzero(v.close):
+            depth = 0
+            for ch in v.texts[i]:
+                depth += (ch == "(") - (ch == ")")
+                if -depth >= levels:
+                    out[i] = True
+                    break
+        return out
+
+    def _cont_exits(self, partial: str) -> np.ndarray:
+        """Continuation tokens whose first run completes ``partial`` into an exit keyword, or only toward one."""
+        v = self._v
+        out = np.zeros_like(v.cont_start)
+        low = partial.lower()
+        for e in _EXITS:
+            if e.startswith(low) and len(e) > len(low):
+                rest = e[len(low) :]
+                if (ids := v.cont.get(("T", rest))) is not None:
+                    out[ids] = True
+                for k in range(1, len(rest) + 1):
+                    if low + rest[:k] in self._exit_only and (ids := v.cont.get(("O", rest[:k]))) is not None:
+                        out[ids] = True
+        return out
 
     def _scope_mask(self, bitmask: torch.Tensor, row: int) -> None:
         m = _PARTIAL.search(self.text)
-        partial = m.group() if m else ""
-        # a token that goes on with the identifier at the end of the text, and one that ends it
-        going_on = self._rule(self.text[: len(self.text) - len(partial)], partial) if partial else None
-        new = self._rule(self.text, "")
-        if going_on is None and new is None:
+        bad = self._bad(m.group() if m else "")
+        if bad is None:
             return
         words = bitmask[row].numpy().view(np.uint32)
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
-        allowed = np.flatnonzero(bits)
-        bad = []
-        for i in allowed.tolist():
-            text = self._texts[i]
-            rule = going_on if partial and i not in self._eos and text[:1] in _IDENT_CHARS else new
-            if rule is None:
-                continue
-            key, check, block_eos = rule
-            verdicts = self._cache.setdefault(key, {})
-            ok = verdicts.get(i)
-            if ok is None:
-                ok = verdicts[i] = (not block_eos) if i in self._eos else check(text)
-            if not ok:
-                bad.append(i)
-        if not bad:
+        n = self.vocab_size
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:n].astype(bool)
+        kill = bits & bad[:n]
+        if not kill.any():
             return
-        if len(bad) == len(allowed):
+        if not (bits & ~kill).any():
             self.fallbacks += 1
             return
-        bad_ids = np.asarray(bad, dtype=np.int64)
-        np.bitwise_and.at(words, bad_ids >> 5, ~(np.uint32(1) << (bad_ids & 31).astype(np.uint32)))
+        keep = np.packbits(bits & ~kill, bitorder="little")
+        out = np.zeros(words.size * 4, np.uint8)
+        out[: keep.size] = keep
+        words[:] = out.view(np.uint32)
