@@ -334,6 +334,13 @@ def eval_task(
     data_dir: Annotated[
         Path | None, typer.Option(help="sql: dir with dev.json, tables.json, database/<db_id>/<db_id>.sqlite")
     ] = None,
+    sql_scope: Annotated[
+        str | None,
+        typer.Option(
+            help="sql: on = the grammar plus the scope check (no column the query's FROM clause lacks), "
+            "off = the grammar alone (default: off)"
+        ),
+    ] = None,
     option: Annotated[
         list[str] | None, typer.Option("--option", "-o", help="another option of the task, KEY=VALUE (repeatable)")
     ] = None,
@@ -370,7 +377,7 @@ def eval_task(
     for name, value in (("--limit", limit), ("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
         if value is not None and value < 1:
             raise PaskError(f"{name} must be >= 1, got {value}")
-    options = _task_options(t, {"categories": categories, "data_dir": data_dir}, option)
+    options = _task_options(t, {"categories": categories, "data_dir": data_dir, "sql_scope": sql_scope}, option)
     cases = t.cases(split, limit, **options)  # checks the split, the options and the data before the model loads
     if not cases:
         given = {k: v for k, v in options.items() if v is not None}
@@ -421,7 +428,7 @@ def _eval_settings(t, model, policy, budget, policy_config, table, split, max_ne
 
 
 # the task options with a flag of their own on `pask eval` (any other: --option KEY=VALUE)
-TASK_FLAGS = {"categories": "--categories", "data_dir": "--data-dir"}
+TASK_FLAGS = {"categories": "--categories", "data_dir": "--data-dir", "sql_scope": "--sql-scope"}
 
 
 def _task_options(task, flags: dict, option: list[str] | None) -> dict:

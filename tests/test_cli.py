@@ -140,7 +140,12 @@ def test_eval_task_runs(tmp_path, task, extra, header, record):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["eval", "sql", "--categories", "x"], "--categories is not an option of task sql (it takes: --data-dir)"),
+        (
+            ["eval", "sql", "--categories", "x"],
+            "--categories is not an option of task sql (it takes: --data-dir, --sql-scope)",
+        ),
+        (["eval", "bfcl", "--sql-scope", "on"], "--sql-scope is not an option of task bfcl"),
+        (["eval", "sql", "--sql-scope", "maybe"], "sql_scope must be on or off, got 'maybe'"),
         (["eval", "bfcl", "--data-dir", "."], "--data-dir is not an option of task bfcl (it takes: --categories)"),
         (["eval", "bfcl", "--option", "colour=red"], "task bfcl has no option 'colour'"),
         (["eval", "bfcl", "--option", "categories=simple", "--categories", "simple"], "given twice"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -216,3 +218,26 @@ def test_every_gold_query_decodes_under_the_scope_constraint(qwen_ll):
                 c.consume(t)
         assert c.fallbacks == 0, case.id
     assert not refused, "\n".join(refused[:20])
+
+
+def test_sql_scope_option_builds_the_scoped_constraint_and_its_outputs_are_in_scope(smol, tmp_path):
+    """``pask eval sql --sql-scope on`` on the tiny model: every query that ended is in scope and
+    none fails with 'no such column'; ``off`` keeps the grammar alone."""
+    from pask.evaluation.runner import prepare, run_task
+    from pask.structure.constraint import Constraint
+    from pask.structure.sql_scope import ScopedConstraint
+    from pask.tasks import get_task
+    from pask.tasks.sql import select_cases
+
+    sql = get_task("sql")
+    cases = [c for c in select_cases("test") if c.db_id in ("poker_player", "concert_singer")][:6]
+    on, _ = prepare(sql, smol, cases[0], 8, sql_scope="on")
+    off, _ = prepare(sql, smol, cases[0], 8, sql_scope="off")
+    assert isinstance(on.constraint, ScopedConstraint) and type(off.constraint) is Constraint
+    run_task(sql, smol, cases, tmp_path, batch_size=3, max_new_tokens=48, sql_scope="on")
+    rows = [json.loads(x) for x in (tmp_path / "cases.jsonl").read_text().splitlines()]
+    assert len(rows) == len(cases)
+    for r in rows:
+        assert "no such column" not in (r["error"] or ""), r
+        if r["stop_reason"] in ("eos", "grammar"):
+            assert scope_errors(r["output"], load_schema(r["db_id"])) == [], r["output"]

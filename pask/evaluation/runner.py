@@ -50,7 +50,11 @@ def prepare(
     constraint = None
     if tr.grammar is not None:
         try:
-            constraint = Constraint(ll_tokenizer(tok, eos_ids(tok)), tr.grammar)
+            eos = eos_ids(tok)
+            if tr.constrain is not None:
+                constraint = tr.constrain(ll_tokenizer(tok, eos), tr.grammar, eos)
+            else:
+                constraint = Constraint(ll_tokenizer(tok, eos), tr.grammar)
         except SchemaError as e:
             return Request(tr.prompt_ids), f"schema_error: {e}"
     m = task.default_max_new_tokens if max_new_tokens is None else max_new_tokens

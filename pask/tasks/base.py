@@ -38,7 +38,9 @@ class TaskRequest:
     receives (``Output.parsed``; an exception's message becomes ``Output.parse_error``).
     ``tagger`` / ``prompt_labels``: the structural tagger of generated tokens and the label of each
     prompt token, built only when asked for (``tagging``: policies that need them, ``--save-tags``).
-    ``error``: why the case cannot run at all (scored wrong, never decoded).
+    ``error``: why the case cannot run at all (scored wrong, never decoded). ``constrain``: builds the
+    grammar's constraint from (llguidance tokenizer, grammar, EOS ids); None: a plain
+    :class:`~pask.structure.constraint.Constraint` (text-to-SQL's scope check plugs in here).
     """
 
     prompt_ids: list[int]
@@ -47,6 +49,7 @@ class TaskRequest:
     tagger: Any = None
     prompt_labels: list | None = None
     error: str | None = None
+    constrain: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ give EX per Spider difficulty (easy / medium / hard / extra) and overall.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -18,6 +18,7 @@ from pask.errors import PaskError
 from pask.structure.prompt_labels import label_sql_prompt
 from pask.structure.sql_grammar import sql_grammar
 from pask.structure.sql_schema import Schema
+from pask.structure.sql_scope import ScopedConstraint
 from pask.structure.sql_tagger import SqlTagger
 from pask.tasks.base import Output, Task, TaskRequest, measured_budgets, table_lines
 from pask.tasks.spider_hardness import LEVELS
@@ -122,29 +123,57 @@ def table_markdown(summary: dict, meta: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_scope_option(value: Any) -> bool:
+    """``on`` / ``off`` (also true / false) as a bool; PaskError otherwise."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("on", "true"):
+        return True
+    if str(value).lower() in ("off", "false"):
+        return False
+    raise PaskError(f"sql_scope must be on or off, got {value!r}")
+
+
+def _scoped(ll_tok: Any, grammar: str, eos: list[int], schema: Schema) -> ScopedConstraint:
+    return ScopedConstraint(ll_tok, grammar, schema, eos)
+
+
 class SqlTask(Task):
     """Spider dev text-to-SQL by execution accuracy.
 
-    Option ``data_dir``: the Spider layout to load (default: the bundled copy); ``limit``: the split's first N.
+    Option ``data_dir``: the Spider layout to load (default: the bundled copy); ``limit``: the split's
+    first N; ``sql_scope``: ``on`` adds the scope check to the grammar
+    (:class:`~pask.structure.sql_scope.ScopedConstraint`: no column its FROM clause lacks), ``off``
+    the grammar alone (the default until the committed results are re-run with it; issue 28).
     """
 
     name = "sql"
     splits = SPLITS
-    options: ClassVar[dict[str, Any]] = {"data_dir": None}
+    options: ClassVar[dict[str, Any]] = {"data_dir": None, "sql_scope": "off"}
     path_options = ("data_dir",)
     default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     score_key = "ex"
 
-    def cases(self, split: str, limit: int | None = None, data_dir: Path | str | None = None) -> list[Case]:
+    def cases(
+        self, split: str, limit: int | None = None, data_dir: Path | str | None = None, sql_scope: str = "off"
+    ) -> list[Case]:
+        check_scope_option(sql_scope)
         return select_cases(split, limit, data_dir)
 
     def request(
-        self, case: Case, tokenizer: Any, tagging: bool = False, data_dir: Path | str | None = None
+        self,
+        case: Case,
+        tokenizer: Any,
+        tagging: bool = False,
+        data_dir: Path | str | None = None,
+        sql_scope: str = "off",
     ) -> TaskRequest:
         db = database(case.db_id, data_dir)
         messages = build_messages(case, db.schema)
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         req = TaskRequest(tokenizer(prompt, add_special_tokens=False)["input_ids"], db.grammar)
+        if check_scope_option(sql_scope):
+            req.constrain = partial(_scoped, schema=db.schema)
         if tagging:
             req.tagger = SqlTagger(db.tagger_schema())
             at = prompt.index(db.ddl)
@@ -154,7 +183,7 @@ class SqlTask(Task):
     def case_fields(self, case: Case) -> dict:
         return {"id": case.id, "db_id": case.db_id, "difficulty": case.difficulty}
 
-    def check(self, case: Case, output: Output, data_dir: Path | str | None = None) -> dict:
+    def check(self, case: Case, output: Output, data_dir: Path | str | None = None, sql_scope: str = "off") -> dict:
         """Execute the generated query and the gold one on the case's database; EX by BIRD's rule."""
         if output.error is not None:
             return {"correct": False, "error": output.error}
