@@ -174,6 +174,13 @@ def test_decoding_forces_a_join_before_the_query_closes(qwen_ll):
     assert _allowed(c, [eos, *_ids(qwen_ll, " ORDER", " WHERE")]) == [True, True, True]
 
 
+def test_decoding_forces_the_join_before_group_by_too(qwen_ll):
+    """GROUP opens GROUP_CONCAT as well, but not in a FROM clause (seen on the real model)."""
+    eos = qwen_ll[2][0]
+    c = _scoped(qwen_ll, "poker_player", "SELECT Birth_Date FROM poker_player")
+    assert _allowed(c, [eos, *_ids(qwen_ll, " GROUP", " ORDER", " JOIN")]) == [False, False, False, True]
+
+
 def test_decoding_lets_an_alias_be_bound_later_in_from(qwen_ll):
     eos = qwen_ll[2][0]
     c = _scoped(qwen_ll, "poker_player", "SELECT T1.Name FROM people AS T1")

@@ -385,7 +385,8 @@ class ScopedConstraint(Constraint):
         probe = ScopeState(schema)
         self._columns = {t: frozenset(c) for t, c in probe.table_columns.items()}
         names = frozenset((*probe.all_columns, *probe.table_columns))
-        non_exit = _prefixes((_WORDS - _EXITS) | names)
+        # what a FROM clause may go on with (no aggregate there: GROUP would pass as GROUP_CONCAT's start)
+        non_exit = _prefixes((_KEYWORDS - _EXITS) | frozenset(FUNCTIONS) | frozenset(CAST_TYPES) | names)
         self._exit_only = frozenset(p for p in _prefixes(_EXITS) if p not in non_exit)
         self._good: dict = {}  # (legal words) -> tokens a new lexeme may be
         self.seconds = 0.0
@@ -497,6 +498,9 @@ class ScopedConstraint(Constraint):
                 b = cont & (v.semicolon | v.exit_word | (v.close if arg == 1 else False))
                 if any(e.startswith(partial.lower()) for e in _EXITS):
                     b = b | (cont & self._cont_exits(partial))
+                if partial.lower() in _EXITS:  # the word is an exit keyword already: only going on may pass
+                    b = b | ~cont
+                    b[self._eos] = True
             bad = b if bad is None else bad | b
         return bad
 
