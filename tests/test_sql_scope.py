@@ -181,6 +181,26 @@ def test_decoding_forces_the_join_before_group_by_too(qwen_ll):
     assert _allowed(c, [eos, *_ids(qwen_ll, " GROUP", " ORDER", " JOIN")]) == [False, False, False, True]
 
 
+def test_decoding_checks_a_token_that_carries_the_dot_and_the_column(qwen_ll):
+    """Seen on the real model: '.Directed_by' after 'T2' (TV_Channel, which has no Directed_by)."""
+    tok = qwen_ll[0]
+    c = _scoped(
+        qwen_ll, "tvshow", "SELECT T1.Title FROM Cartoon AS T1 JOIN TV_Channel AS T2 ON T1.Channel = T2.id WHERE T2"
+    )
+    bad, good = tok.encode(".Directed_by")[0], tok.encode(".series_name")[0]
+    assert tok.decode([bad]).startswith(".D") and tok.decode([good]).startswith(".s")
+    assert _allowed(c, [bad, good]) == [False, True]
+
+
+def test_decoding_checks_an_identifier_when_the_next_token_ends_it(qwen_ll):
+    """Seen on the real model: 'ORDER BY Date' (the grammar takes Date as an ORDER BY alias; Cartoon has no Date)."""
+    eos = qwen_ll[2][0]
+    c = _scoped(qwen_ll, "tvshow", "SELECT Production_code FROM Cartoon ORDER BY Date")
+    assert _allowed(c, [eos, *_ids(qwen_ll, " DESC")]) == [False, False]
+    c = _scoped(qwen_ll, "tvshow", "SELECT Production_code FROM Cartoon ORDER BY Title")
+    assert _allowed(c, [eos, *_ids(qwen_ll, " DESC")]) == [True, True]
+
+
 def test_decoding_lets_an_alias_be_bound_later_in_from(qwen_ll):
     eos = qwen_ll[2][0]
     c = _scoped(qwen_ll, "poker_player", "SELECT T1.Name FROM people AS T1")

@@ -319,6 +319,9 @@ class _Vocab:
         self.close = np.zeros(n, bool)  # holds a ")" before any "(" (ends one level)
         self.exit_word = np.zeros(n, bool)  # a complete run after the first is an exit keyword
         self.exit_first = np.zeros(n, bool)  # ... or the first run is (read as a new lexeme)
+        self.dot_start = np.zeros(n, bool)  # "." and a run: a qualified column's dot and name
+        self.paren_start = np.zeros(n, bool)  # "(" after optional whitespace: a call's parenthesis
+        dot: dict[tuple[str, str], list[int]] = {}
         new: dict[tuple[str, str], list[int]] = {}
         cont: dict[tuple[str, str], list[int]] = {}
         self.last_open: dict[str, list[int]] = {}  # the token's last run, open, lower-cased
@@ -331,9 +334,13 @@ class _Vocab:
                 if depth < 0:
                     self.close[i] = True
                     break
+            self.paren_start[i] = text.lstrip().startswith("(")
             if not runs:
                 continue
             first = runs[0]
+            if text.startswith(".") and first.start() == 1:
+                self.dot_start[i] = True
+                dot.setdefault(("O" if first.end() == len(text) else "T", first.group().lower()), []).append(i)
             low = first.group().lower()
             end = "O" if first.end() == len(text) else "T"
             if first.start() == 0:
@@ -348,6 +355,7 @@ class _Vocab:
                 self.last_open.setdefault(runs[-1].group().lower(), []).append(i)
         self.new = {k: np.asarray(v) for k, v in new.items()}
         self.cont = {k: np.asarray(v) for k, v in cont.items()}
+        self.dot = {k: np.asarray(v) for k, v in dot.items()}
         self.last_open_ids = {k: np.asarray(v) for k, v in self.last_open.items()}
 
 
@@ -423,7 +431,7 @@ class ScopedConstraint(Constraint):
         upto = len(state.frames) - 1
         if state._expect == "member":
             bound, table = state._binding(state._qualifier, upto)
-            return ("words", self._columns[table]) if bound and table is not None else None
+            return ("words", self._columns[table], self._columns[table]) if bound and table is not None else None
         if frame.clause in ("where", "group", "having", "order") and state._expect == "expr":
             if frame.compound and frame.clause == "order":
                 return None
@@ -433,9 +441,10 @@ class ScopedConstraint(Constraint):
             columns = {c for f in frames for table in f.tables.values() for c in self._columns[table]}
             bindings = {b for f in state.frames for b in f.tables}
             aliases = {a for f in frames for a in f.aliases}
-            return "words", frozenset(columns | bindings | aliases | _WORDS)
+            plain = frozenset(columns | bindings | aliases | _KEYWORDS | frozenset(CAST_TYPES))
+            return "words", frozenset(plain | _CALLABLE), plain
         if frame.clause == "from" and state.frame_errors():
-            return "exit", (state.depth - frame.depth + 1 if upto else None)
+            return "exit", (state.depth - frame.depth + 1 if upto else None), None
         return None
 
     def _new_good(self, words: frozenset[str]) -> np.ndarray:
@@ -465,7 +474,7 @@ class ScopedConstraint(Constraint):
         bad = None
         cont = v.cont_start if partial else np.zeros_like(v.cont_start)
         if new is not None:  # tokens that start a new lexeme (after a complete word, or no word)
-            kind, arg = new
+            kind, arg, _ = new
             if kind == "words":
                 b = ~self._new_good(arg)
             else:
@@ -481,8 +490,18 @@ class ScopedConstraint(Constraint):
                 b[self._eos] = True
             bad = b & ~cont
         if going_on is not None:  # tokens that go on with the identifier at the end of the text
-            kind, arg = going_on
+            kind, arg, plain = going_on
             if kind == "words":
+                low = partial.lower()
+                ended = None  # the identifier, ended by the next token, must be a word of this place
+                if low in _CALLABLE and low not in plain:
+                    ended = ~cont & ~v.paren_start  # a function's name: its "(" comes next
+                elif low not in plain:
+                    ended = ~cont
+                if ended is not None:
+                    ended = ended.copy()
+                    ended[self._eos] = True
+                    bad = ended if bad is None else bad | ended
                 good = np.zeros_like(cont)
                 low = partial.lower()
                 for w in arg:
@@ -502,7 +521,29 @@ class ScopedConstraint(Constraint):
                     b = b | ~cont
                     b[self._eos] = True
             bad = b if bad is None else bad | b
+        if partial:  # a token with the dot and the column after a qualifier: the column of its table
+            table = self._qualified_table(self.text[: len(self.text) - len(partial)], partial.lower())
+            if table is not None:
+                words = self._columns[table]
+                good = np.zeros_like(cont)
+                for w in words:
+                    if (ids := v.dot.get(("T", w))) is not None:
+                        good[ids] = True
+                for p in _prefixes(words):
+                    if (ids := v.dot.get(("O", p))) is not None:
+                        good[ids] = True
+                b = v.dot_start & ~good
+                bad = b if bad is None else bad | b
         return bad
+
+    def _qualified_table(self, head: str, qualifier: str) -> str | None:
+        """The table ``qualifier`` binds after ``head`` (None: unbound yet, derived or not a qualifier)."""
+        state = ScopeState(self.schema)
+        state.feed(head)
+        if state._in_literal(head) or state._expect not in ("expr",):
+            return None
+        bound, table = state._binding(qualifier, len(state.frames) - 1)
+        return table if bound else None
 
     def _closes(self, levels: int) -> np.ndarray:
         v = self._v
