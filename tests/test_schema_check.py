@@ -68,6 +68,14 @@ def rejected(schema, where: str = "schema") -> str:
         (obj({"d": {"type": "array", "items": {"maxLength": -1}}}), "property 'd[]': not a valid JSON Schema"),
         (obj({"d": {"type": "string", "pattern": "(("}}), "property 'd': not a valid JSON Schema: pattern"),
         (obj({"d": "string"}), "property 'd': a schema must be an object or a boolean, got a string"),
+        (  # items that recurse without end: the array could only be empty, yet an item could be started
+            {
+                "type": "array",
+                "items": {"$ref": "#/$defs/a"},
+                "$defs": {"a": obj({"a": {"$ref": "#/$defs/a"}})},
+            },
+            "an item could be started and never finished",
+        ),
         ([1], "a JSON Schema must be an object, got a list"),
         (False, "unsatisfiable: the schema is false"),
     ],

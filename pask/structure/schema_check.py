@@ -452,6 +452,10 @@ class _Checker:
             found = self.unsat(items, f"{path}[]", refs)
             if found is not None:
                 return found[0], f"{found[1]}, and minItems {least} asks for items"
+        elif items is not None and not self._fixpoint:  # the array may be empty: may its items be written?
+            found = self.unsat(items, f"{path}[]", refs)
+            if found is not None and "$ref" in found[1]:  # llguidance would let an item start, then never end it
+                return found[0], f"{found[1]}; an item could be started and never finished"
         return None
 
 
