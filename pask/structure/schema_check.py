@@ -21,7 +21,8 @@ five passes:
    (``{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}``, or ``a -> b ->
    a`` through ``$defs``) is refused: llguidance would accept its grammar and then fail or loop
    while decoding. Recursion that can stop (a tree whose children are optional, a nullable link,
-   an array that may be empty) stays allowed;
+   an array that may be empty) stays allowed, but not an array whose *items* can never end, even
+   an array that may be empty: llguidance would let an item start;
 4. llguidance itself, compiling the schema without a tokenizer.
 
 ``where`` names the schema in messages (``tool 'get_weather'``, ``response_format``), and a
