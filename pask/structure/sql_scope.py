@@ -359,6 +359,16 @@ class _Vocab:
         self.last_open_ids = {k: np.asarray(v) for k, v in self.last_open.items()}
 
 
+def _mark(out: np.ndarray, index: dict, ended, going_on) -> np.ndarray:
+    """Set ``out`` at the tokens of ``index`` (a :class:`_Vocab` run index) whose first run is one of
+    ``ended`` (ending inside the token) or of ``going_on`` (running to the token's end)."""
+    for kind, runs in (("T", ended), ("O", going_on)):
+        for run in runs:
+            if (ids := index.get((kind, run))) is not None:
+                out[ids] = True
+    return out
+
+
 @lru_cache(maxsize=4)
 def _vocab(ll_tok: llguidance.LLTokenizer) -> _Vocab:
     return _Vocab(ll_tok)
@@ -452,13 +462,7 @@ class ScopedConstraint(Constraint):
         good = self._good.get(words)
         if good is None:
             v = self._v
-            good = ~v.word_start
-            for w in words:
-                if (ids := v.new.get(("T", w))) is not None:
-                    good[ids] = True
-            for p in _prefixes(words):
-                if (ids := v.new.get(("O", p))) is not None:
-                    good[ids] = True
+            good = _mark(~v.word_start, v.new, words, _prefixes(words))
             if len(self._good) > 64:
                 self._good.clear()
             self._good[words] = good
@@ -502,17 +506,8 @@ class ScopedConstraint(Constraint):
                     ended = ended.copy()
                     ended[self._eos] = True
                     bad = ended if bad is None else bad | ended
-                good = np.zeros_like(cont)
-                low = partial.lower()
-                for w in arg:
-                    if w.startswith(low) and len(w) > len(low):
-                        rest = w[len(low) :]
-                        if (ids := v.cont.get(("T", rest))) is not None:
-                            good[ids] = True
-                        for k in range(1, len(rest) + 1):
-                            if (ids := v.cont.get(("O", rest[:k]))) is not None:
-                                good[ids] = True
-                b = cont & ~good
+                rests = [w[len(low) :] for w in arg if w.startswith(low) and len(w) > len(low)]
+                b = cont & ~_mark(np.zeros_like(cont), v.cont, rests, _prefixes(rests))
             else:
                 b = cont & (v.semicolon | v.exit_word | (v.close if arg == 1 else False))
                 if any(e.startswith(partial.lower()) for e in _EXITS):
@@ -525,14 +520,7 @@ class ScopedConstraint(Constraint):
             table = self._qualified_table(self.text[: len(self.text) - len(partial)], partial.lower())
             if table is not None:
                 words = self._columns[table]
-                good = np.zeros_like(cont)
-                for w in words:
-                    if (ids := v.dot.get(("T", w))) is not None:
-                        good[ids] = True
-                for p in _prefixes(words):
-                    if (ids := v.dot.get(("O", p))) is not None:
-                        good[ids] = True
-                b = v.dot_start & ~good
+                b = v.dot_start & ~_mark(np.zeros_like(cont), v.dot, words, _prefixes(words))
                 bad = b if bad is None else bad | b
         return bad
 
@@ -559,18 +547,10 @@ class ScopedConstraint(Constraint):
 
     def _cont_exits(self, partial: str) -> np.ndarray:
         """Continuation tokens whose first run completes ``partial`` into an exit keyword, or only toward one."""
-        v = self._v
-        out = np.zeros_like(v.cont_start)
-        low = partial.lower()
-        for e in _EXITS:
-            if e.startswith(low) and len(e) > len(low):
-                rest = e[len(low) :]
-                if (ids := v.cont.get(("T", rest))) is not None:
-                    out[ids] = True
-                for k in range(1, len(rest) + 1):
-                    if low + rest[:k] in self._exit_only and (ids := v.cont.get(("O", rest[:k]))) is not None:
-                        out[ids] = True
-        return out
+        v, low = self._v, partial.lower()
+        rests = [e[len(low) :] for e in _EXITS if e.startswith(low) and len(e) > len(low)]
+        toward = [p for p in _prefixes(rests) if low + p in self._exit_only]
+        return _mark(np.zeros_like(v.cont_start), v.cont, rests, toward)
 
     def _scope_mask(self, bitmask: torch.Tensor, row: int) -> None:
         m = _PARTIAL.search(self.text)
