@@ -2,6 +2,7 @@
 
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -61,4 +62,9 @@ def test_thread_ids_hold_a_new_thread():
     finally:
         stop.set()
         t.join()
+    # join() returns once Python is done with the thread; the OS thread may
+    # still be in its exit path for a moment, so /proc/self/task can lag.
+    deadline = time.monotonic() + 10.0
+    while t.native_id in openmp.thread_ids() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert t.native_id not in openmp.thread_ids()
