@@ -220,6 +220,58 @@ def test_decoding_gives_a_sub_query_its_own_scope(qwen_ll):
     assert _allowed(c, _ids(qwen_ll, ")", " JOIN")) == [False, True]
 
 
+def test_decoding_refuses_an_alias_whose_table_lacks_what_is_named_through_it(qwen_ll):
+    """Seen on the real model: 'SELECT T2.AirportCode ... JOIN flights AS T2', then JOINs to the token limit."""
+    text = "SELECT T2.AirportCode FROM airports AS T1 JOIN flights AS"
+    c = _scoped(qwen_ll, "flight_2", text)
+    assert _allowed(c, _ids(qwen_ll, " T", " flights_table")) == [True, True]
+    c = _scoped(qwen_ll, "flight_2", text + " T")  # Qwen writes T2 as ' T' and '2'
+    assert _allowed(c, _ids(qwen_ll, "2", "3")) == [False, True]
+    c = _scoped(qwen_ll, "flight_2", "SELECT T2.AirportCode FROM airports AS T1 JOIN airports AS T")
+    assert _allowed(c, _ids(qwen_ll, "1", "2")) == [False, True]  # T1 is taken in this FROM clause
+
+
+def test_decoding_joins_toward_a_table_that_has_the_missing_column(qwen_ll):
+    """flight_2 declares no foreign key to airlines: a JOIN toward AirportName cannot go there."""
+    c = _scoped(qwen_ll, "flight_2", "SELECT AirportName FROM flights JOIN")
+    assert _allowed(c, _ids(qwen_ll, " airports", " airlines")) == [True, False]
+    c = _scoped(qwen_ll, "flight_2", "SELECT AirportName FROM flights JOIN airports ON flights.SourceAirport = ")
+    assert _allowed(c, _ids(qwen_ll, " airports")) == [True]  # nothing is missing any more: no restriction
+
+
+def test_decoding_lets_a_query_end_when_no_join_can_mend_it(qwen_ll):
+    """A qualifier bound to a table without the column, or a FROM clause past the cap: no endless JOINs."""
+    eos = qwen_ll[2][0]
+    c = _scoped(
+        qwen_ll, "battle_death", "SELECT T2.note FROM death AS T1 JOIN ship AS T2 ON T1.caused_by_ship_id = T2.id"
+    )
+    assert _allowed(c, [eos]) == [True]
+    joins = " JOIN people AS T{0} ON T1.People_ID = T{0}.People_ID"
+    text = "SELECT T9.Earnings FROM people AS T1" + "".join(joins.format(i) for i in (2, 3, 4))
+    c = _scoped(qwen_ll, "poker_player", text)  # 4 table references: the cap for 2 tables
+    assert _allowed(c, [eos]) == [True]
+    c = _scoped(qwen_ll, "poker_player", "SELECT T9.Earnings FROM people AS T1" + joins.format(2))
+    assert _allowed(c, [eos]) == [False]
+
+
+def test_decoding_does_not_start_a_set_operation_through_a_shorter_token(qwen_ll):
+    """Seen on the real model: EXCEPT written ' EX' + 'CEPT'; after ' EX' the grammar allows EXCEPT only."""
+    text = "SELECT T2.AirportName FROM airports AS T1 JOIN flights AS T3 ON T1.AirportCode = T3.SourceAirport"
+    c = _scoped(qwen_ll, "flight_2", text)
+    assert qwen_ll[0].decode(_ids(qwen_ll, " EXCEPT")) == " EX"
+    assert _allowed(c, _ids(qwen_ll, " EXCEPT", " JOIN")) == [False, True]
+
+
+def test_decoding_refuses_a_quoted_column_after_a_qualifier_whose_table_needs_no_quotes(qwen_ll):
+    """Seen on the real model: 'ORDER BY T2.`18_49_Rating_Share`' with T2 TV_Channel."""
+    tok = qwen_ll[0]
+    c = _scoped(
+        qwen_ll, "tvshow", "SELECT T1.Title FROM Cartoon AS T1 JOIN TV_Channel AS T2 ON T1.Channel = T2.id ORDER BY T2."
+    )
+    quote = tok.encode("`", add_special_tokens=False)[0]
+    assert _allowed(c, [quote, *_ids(qwen_ll, "id")]) == [False, True]
+
+
 @pytest.mark.slow  # ~25 s: every token of 740 queries through the grammar and scope masks
 def test_every_gold_query_decodes_under_the_scope_constraint(qwen_ll):
     """Each of the 740 gold queries, token by token: every token allowed, then EOS allowed."""

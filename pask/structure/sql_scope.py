@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -32,7 +33,7 @@ import torch
 
 from pask.structure.constraint import Constraint
 from pask.structure.sql_grammar import AGGREGATES, CAST_TYPES, FUNCTIONS, KEYWORDS
-from pask.structure.sql_schema import Schema
+from pask.structure.sql_schema import Schema, is_bare_identifier
 
 _LEXEME = re.compile(
     r"""(?P<ws>\s+)
@@ -72,6 +73,7 @@ class Frame:
     aliases: set[str] = field(default_factory=set)  # select-item aliases (lower)
     compound: bool = False  # a set operation has been seen: the ORDER BY names result columns
     finished: list[ScopeError] = field(default_factory=list)  # errors of earlier cores of a compound
+    refs: int = 0  # table references written in this core's FROM clause (a self-join counts twice)
 
 
 def _unquote(text: str) -> str:
@@ -100,6 +102,7 @@ class ScopeState:
         self._pending: tuple[str, str] | None = None  # an identifier that a following "(" or "." may reclassify
         self._after_open = False  # the last lexeme was "(" (a "SELECT" next opens a sub-query)
         self._last_table: str | None = None  # the table an "AS alias" binds
+        self._last_binding: str | None = None  # the name that table was bound under (its own, or #derived..)
 
     # -- feeding ----------------------------------------------------------------------------------
     def feed(self, text: str) -> None:
@@ -136,11 +139,16 @@ class ScopeState:
                 outer = self.frames[-1]
                 derived = outer.clause == "from" and self.depth - 1 == outer.depth
                 if derived:  # FROM (query): its columns are not checked; an alias may bind it
-                    outer.tables[f"#derived{len(outer.tables)}"] = self._last_table = None
+                    self._last_binding = f"#derived{len(outer.tables)}"
+                    outer.tables[self._last_binding] = self._last_table = None
+                    outer.refs += 1
             self.depth -= 1
             self._expect = "table_alias_maybe" if derived else "expr"
         elif text == ",":
-            self._expect = "table" if frame.clause == "from" and self.depth == frame.depth else "expr"
+            if frame.clause in ("from", "on") and self.depth == frame.depth:
+                frame.clause, self._expect = "from", "table"
+            else:
+                self._expect = "expr"
         elif text == ".":
             pass  # a qualifier's dot is taken with the identifier before it (_flush)
         else:
@@ -152,6 +160,7 @@ class ScopeState:
                 self.frames.append(Frame(self.depth))
             elif frame.compound:  # the next core of a set operation
                 frame.tables.clear()
+                frame.refs = 0
             self.frames[-1].clause = "select"
             self._expect = "expr"
             return
@@ -162,8 +171,8 @@ class ScopeState:
             frame.clause, self._expect = "from", "table"
         elif word == "as":
             self._expect = "table_alias" if frame.clause == "from" else "select_alias"
-        elif word in ("on", "using"):
-            self._expect = "expr"
+        elif word in ("on", "using"):  # a join condition: still the FROM clause, its names in scope so far
+            frame.clause, self._expect = "on", "expr"
         elif word in _CLAUSE_OF:
             frame.clause, self._expect = _CLAUSE_OF[word], "expr"
         elif word in _COMPOUND:
@@ -179,6 +188,8 @@ class ScopeState:
         if expect == "table":
             self._last_table = low if low in self.table_columns else None
             frame.tables[low] = self._last_table
+            self._last_binding = low
+            frame.refs += 1
             self._expect = "table_alias_maybe"
         elif expect == "table_alias":
             frame.tables[low] = self._last_table
@@ -267,6 +278,32 @@ class ScopeState:
         frame = self.frames[-1]
         return [*frame.finished, *self._core_errors(frame)]
 
+    def missing(self) -> tuple[set[str], dict[str, set[str]], bool]:
+        """What the innermost open frame still needs from tables it has not joined yet.
+
+        ``(columns, qualified, dead)``: the unqualified columns no table in scope provides, the
+        columns named through each qualifier not bound yet, and whether some error can no longer be
+        mended by a JOIN (a bound qualifier whose table lacks the column, or an earlier core of a
+        compound that was out of scope).
+        """
+        self._flush(None)
+        frame = self.frames[-1]
+        upto = len(self.frames) - 1
+        columns = {
+            c
+            for c, clause in frame.columns
+            if c not in frame.aliases and not self._provided(c, upto, clause in ("group", "order"))
+        }
+        qualified: dict[str, set[str]] = {}
+        dead = bool(frame.finished)
+        for qualifier, column in frame.qualified:
+            bound, table = self._binding(qualifier, upto)
+            if not bound:
+                qualified.setdefault(qualifier, set()).add(column)
+            elif table is not None and column not in self.table_columns.get(table, ()):
+                dead = True
+        return columns, qualified, dead
+
     def _close_frame(self) -> None:
         self.closed += self.frame_errors()
         self.frames.pop()
@@ -321,6 +358,7 @@ class _Vocab:
         self.exit_first = np.zeros(n, bool)  # ... or the first run is (read as a new lexeme)
         self.dot_start = np.zeros(n, bool)  # "." and a run: a qualified column's dot and name
         self.paren_start = np.zeros(n, bool)  # "(" after optional whitespace: a call's parenthesis
+        self.quote_start = np.zeros(n, bool)  # a quoted name's opening quote, after optional whitespace
         dot: dict[tuple[str, str], list[int]] = {}
         new: dict[tuple[str, str], list[int]] = {}
         cont: dict[tuple[str, str], list[int]] = {}
@@ -335,6 +373,7 @@ class _Vocab:
                     self.close[i] = True
                     break
             self.paren_start[i] = text.lstrip().startswith("(")
+            self.quote_start[i] = text.lstrip()[:1] in ('"', "`", "[")
             if not runs:
                 continue
             first = runs[0]
@@ -366,6 +405,29 @@ def _mark(out: np.ndarray, index: dict, ended, going_on) -> np.ndarray:
         for run in runs:
             if (ids := index.get((kind, run))) is not None:
                 out[ids] = True
+    return out
+
+
+def _join_distances(schema: Schema) -> dict[str, dict[str, int]]:
+    """Hops between tables over declared foreign keys (either direction), reachable pairs only."""
+    tables = {t.name.lower() for t in schema.tables}
+    links: dict[str, set[str]] = {t: set() for t in tables}
+    for t in schema.tables:
+        for fk in t.foreign_keys:
+            a, b = t.name.lower(), fk.ref_table.lower()
+            if b in tables and a != b:
+                links[a].add(b)
+                links[b].add(a)
+    out = {}
+    for start in tables:
+        seen, queue = {start: 0}, deque([start])
+        while queue:
+            t = queue.popleft()
+            for n in links[t]:
+                if n not in seen:
+                    seen[n] = seen[t] + 1
+                    queue.append(n)
+        out[start] = seen
     return out
 
 
@@ -403,10 +465,16 @@ class ScopedConstraint(Constraint):
         probe = ScopeState(schema)
         self._columns = {t: frozenset(c) for t, c in probe.table_columns.items()}
         names = frozenset((*probe.all_columns, *probe.table_columns))
-        # what a FROM clause may go on with (no aggregate there: GROUP would pass as GROUP_CONCAT's start)
-        non_exit = _prefixes((_KEYWORDS - _EXITS) | frozenset(FUNCTIONS) | frozenset(CAST_TYPES) | names)
+        # what a FROM clause may go on with (no aggregate there: GROUP would pass as GROUP_CONCAT's
+        # start; no EXISTS, which cannot follow a table or an operand: ' EX' would pass as its start
+        # and leave the grammar nothing but EXCEPT, seen on the real model)
+        going_on = (_KEYWORDS - _EXITS - {"exists"}) | frozenset(FUNCTIONS) | frozenset(CAST_TYPES) | names
+        non_exit = _prefixes(going_on)
         self._exit_only = frozenset(p for p in _prefixes(_EXITS) if p not in non_exit)
         self._good: dict = {}  # (legal words) -> tokens a new lexeme may be
+        self._dist = _join_distances(schema)
+        self._bare = {t.name.lower() for t in schema.tables if all(is_bare_identifier(c.name) for c in t.columns)}
+        self._cap = len(self._columns) + 2  # table references after which a FROM clause may end anyway
         self.seconds = 0.0
         self.fallbacks = 0
 
@@ -431,31 +499,97 @@ class ScopedConstraint(Constraint):
             self.seconds += time.perf_counter() - t0
 
     # -- the rules --------------------------------------------------------------------------------
-    def _context(self, head: str):
-        """What a token after ``head`` may write: ("words", legal words) | ("exit", closing) | None."""
+    def _rules(self, head: str) -> list[tuple]:
+        """What a token after ``head`` may write, as rules that all hold: ("words", legal words,
+        words that may end here) | ("columns", ..., ...: words, and no quoted name) | ("avoid",
+        names, None) | ("exit", closing levels, None: the FROM clause may not end)."""
         state = ScopeState(self.schema)
         state.feed(head)
         if state._in_literal(head):
-            return None
+            return []
         frame = state.frames[-1]
         upto = len(state.frames) - 1
+        rules = []
         if state._expect == "member":
             bound, table = state._binding(state._qualifier, upto)
-            return ("words", self._columns[table], self._columns[table]) if bound and table is not None else None
-        if frame.clause in ("where", "group", "having", "order") and state._expect == "expr":
-            if frame.compound and frame.clause == "order":
-                return None
-            frames = state.frames[-1:] if frame.clause in ("group", "order") else state.frames
-            if any(table is None for f in frames for table in f.tables.values()):
-                return None  # a derived table: its columns are not known here
-            columns = {c for f in frames for table in f.tables.values() for c in self._columns[table]}
-            bindings = {b for f in state.frames for b in f.tables}
-            aliases = {a for f in frames for a in f.aliases}
-            plain = frozenset(columns | bindings | aliases | _KEYWORDS | frozenset(CAST_TYPES))
-            return "words", frozenset(plain | _CALLABLE), plain
-        if frame.clause == "from" and state.frame_errors():
-            return "exit", (state.depth - frame.depth + 1 if upto else None), None
-        return None
+            if bound and table is not None:
+                cols = self._columns[table]
+                return [(("columns" if table in self._bare else "words"), cols, cols)]
+            needed = {c for q, c in frame.qualified if q == state._qualifier}
+            if bound or not needed:
+                return []
+            # not bound yet (a select list): a column that some table has beside those named so far
+            cols = frozenset(c for t, tc in self._columns.items() if needed <= tc for c in tc)
+            return [("words", cols, cols)] if cols else []
+        if state._expect == "table" and frame.clause == "from" and state.depth == frame.depth:
+            legal = self._tables_toward(state, frame)
+            return [("words", legal, legal)] if legal is not None else []
+        if state._expect == "table_alias":
+            taken = {b for b in frame.tables if b != state._last_binding}
+            table = state._last_table
+            if table is not None and frame.refs > len(self._columns):
+                # mending (more table references than the schema has tables, something still
+                # missing): a qualifier named so far whose columns this table has is bound here
+                serves = {q for q, needed in state.missing()[1].items() if needed <= self._columns[table]} - taken
+                if serves:
+                    return [("words", frozenset(serves), frozenset(serves))]
+            lacking = {q for q, c in frame.qualified if table is not None and c not in self._columns[table]}
+            return [("avoid", frozenset(taken | lacking), None)] if taken | lacking else []
+        if frame.clause in ("on", "where", "group", "having", "order") and state._expect == "expr":
+            rules += self._in_scope(state, frame)
+        if frame.clause in ("from", "on") and self._mendable(state, frame) is not None:
+            rules.append(("exit", (state.depth - frame.depth + 1 if upto else None), None))
+        return rules
+
+    def _in_scope(self, state: ScopeState, frame: Frame) -> list[tuple]:
+        """An expression's words: the columns, bindings and select aliases in scope, and keywords."""
+        if frame.compound and frame.clause == "order":
+            return []
+        frames = state.frames[-1:] if frame.clause in ("group", "order") else state.frames
+        if any(table is None for f in frames for table in f.tables.values()):
+            return []  # a derived table: its columns are not known here
+        columns = {c for f in frames for table in f.tables.values() for c in self._columns[table]}
+        bindings = {b for f in state.frames for b in f.tables}
+        aliases = {a for f in frames for a in f.aliases}
+        plain = frozenset(columns | bindings | aliases | _KEYWORDS | frozenset(CAST_TYPES))
+        return [("words", frozenset(plain | _CALLABLE), plain)]
+
+    def _mendable(self, state: ScopeState, frame: Frame) -> set[str] | None:
+        """The tables that would each provide some of what the frame still needs; None: nothing a
+        JOIN can mend (nothing missing, an error no JOIN can fix, or the FROM clause too long already)."""
+        columns, qualified, dead = state.missing()
+        if dead or not (columns or qualified) or frame.refs >= self._cap:
+            return None
+        targets = {t for t, cols in self._columns.items() if columns & cols}
+        for needed in qualified.values():
+            holders = {t for t, cols in self._columns.items() if needed <= cols}
+            if not holders:
+                return None  # no table has all the columns named through this qualifier
+            targets |= holders
+        return targets or None
+
+    def _tables_toward(self, state: ScopeState, frame: Frame) -> frozenset[str] | None:
+        """The tables a FROM clause that still needs columns may name next: those that provide some,
+        those on a shortest foreign-key path from a table already joined to one that does, and the
+        joined tables' foreign-key neighbours (a join that a later WHERE filters on); the first
+        table: any table with a path to one that provides some; once the clause has as many table
+        references as the schema has tables (mending), only those that provide some. None: no
+        restriction."""
+        targets = self._mendable(state, frame)
+        if targets is None:
+            return None
+        dist = self._dist
+        if frame.refs >= len(self._columns):  # mending: only a table that provides what is missing
+            return frozenset(targets)
+        joined = {t for t in frame.tables.values() if t is not None}
+        if not joined:
+            return frozenset(t for t in dist if any(g in dist[t] for g in targets))
+        legal = set(targets) | {t for c in joined for t, d in dist[c].items() if d == 1}
+        for c in joined:
+            for g in targets:
+                if (dcg := dist[c].get(g)) is not None:
+                    legal |= {t for t, dct in dist[c].items() if dct + dist[t].get(g, dcg + 1) == dcg}
+        return frozenset(legal)
 
     def _new_good(self, words: frozenset[str]) -> np.ndarray:
         """Tokens that, as a new lexeme, start one of ``words`` (or are no word at all)."""
@@ -471,58 +605,72 @@ class ScopedConstraint(Constraint):
     def _bad(self, partial: str) -> np.ndarray | None:
         """Tokens the scope forbids next (a boolean mask over the vocabulary), None: none."""
         v = self._v
-        new = self._context(self.text)
-        going_on = self._context(self.text[: len(self.text) - len(partial)]) if partial else None
-        if partial and self.text[: len(self.text) - len(partial)][-1:].isdigit():
-            going_on = None  # inside a number such as 1e5
-        bad = None
+        head = self.text[: len(self.text) - len(partial)]
         cont = v.cont_start if partial else np.zeros_like(v.cont_start)
-        if new is not None:  # tokens that start a new lexeme (after a complete word, or no word)
-            kind, arg, _ = new
-            if kind == "words":
-                b = ~self._new_good(arg)
-            else:
-                b = v.semicolon | v.exit_word | v.exit_first
-                if arg == 1:
-                    b = b | v.close
-                elif arg is not None:
-                    b = b | self._closes(arg)
-                for p in self._exit_only:
-                    if (ids := v.last_open_ids.get(p)) is not None:
-                        b[ids] = True
-                b = b.copy()
-                b[self._eos] = True
-            bad = b & ~cont
-        if going_on is not None:  # tokens that go on with the identifier at the end of the text
-            kind, arg, plain = going_on
-            if kind == "words":
-                low = partial.lower()
-                ended = None  # the identifier, ended by the next token, must be a word of this place
-                if low in _CALLABLE and low not in plain:
-                    ended = ~cont & ~v.paren_start  # a function's name: its "(" comes next
-                elif low not in plain:
-                    ended = ~cont
-                if ended is not None:
-                    ended = ended.copy()
-                    ended[self._eos] = True
-                    bad = ended if bad is None else bad | ended
-                rests = [w[len(low) :] for w in arg if w.startswith(low) and len(w) > len(low)]
-                b = cont & ~_mark(np.zeros_like(cont), v.cont, rests, _prefixes(rests))
-            else:
-                b = cont & (v.semicolon | v.exit_word | (v.close if arg == 1 else False))
-                if any(e.startswith(partial.lower()) for e in _EXITS):
-                    b = b | (cont & self._cont_exits(partial))
-                if partial.lower() in _EXITS:  # the word is an exit keyword already: only going on may pass
-                    b = b | ~cont
-                    b[self._eos] = True
-            bad = b if bad is None else bad | b
+        parts = [self._new_bad(rule) & ~cont for rule in self._rules(self.text)]
+        if partial and not head[-1:].isdigit():  # (inside a number such as 1e5: no identifier)
+            parts += [self._going_on_bad(rule, partial, cont) for rule in self._rules(head)]
         if partial:  # a token with the dot and the column after a qualifier: the column of its table
-            table = self._qualified_table(self.text[: len(self.text) - len(partial)], partial.lower())
+            table = self._qualified_table(head, partial.lower())
             if table is not None:
                 words = self._columns[table]
-                b = v.dot_start & ~_mark(np.zeros_like(cont), v.dot, words, _prefixes(words))
-                bad = b if bad is None else bad | b
-        return bad
+                parts.append(v.dot_start & ~_mark(np.zeros_like(cont), v.dot, words, _prefixes(words)))
+        if not parts:
+            return None
+        return np.logical_or.reduce(parts) if len(parts) > 1 else parts[0]
+
+    def _new_bad(self, rule: tuple) -> np.ndarray:
+        """The tokens ``rule`` forbids as a new lexeme (after a complete word, or no word)."""
+        v = self._v
+        kind, arg, _ = rule
+        if kind in ("words", "columns"):
+            b = ~self._new_good(arg)
+            return b | v.quote_start if kind == "columns" else b  # T. then a quoted name T's table lacks
+        if kind == "avoid":  # an alias: any name but these (a token ending on one: the alias itself)
+            return _mark(np.zeros_like(v.cont_start), v.new, arg, arg)
+        b = v.semicolon | v.exit_word | v.exit_first
+        if arg == 1:
+            b = b | v.close
+        elif arg is not None:
+            b = b | self._closes(arg)
+        for p in self._exit_only:
+            if (ids := v.last_open_ids.get(p)) is not None:
+                b[ids] = True
+        b = b.copy()
+        b[self._eos] = True
+        return b
+
+    def _going_on_bad(self, rule: tuple, partial: str, cont: np.ndarray) -> np.ndarray:
+        """The tokens ``rule`` forbids after the identifier ``partial`` at the end of the text."""
+        v = self._v
+        kind, arg, plain = rule
+        low = partial.lower()
+        if kind == "avoid":
+            rests = [w[len(low) :] for w in arg if w.startswith(low) and len(w) > len(low)]
+            b = cont & _mark(np.zeros_like(cont), v.cont, rests, rests)
+            if low in arg:  # the alias written so far is taken: it may only go on
+                b = b | ~cont
+                b[self._eos] = True
+            return b
+        if kind in ("words", "columns"):
+            rests = [w[len(low) :] for w in arg if w.startswith(low) and len(w) > len(low)]
+            b = cont & ~_mark(np.zeros_like(cont), v.cont, rests, _prefixes(rests))
+            ended = None  # the identifier, ended by the next token, must be a word of this place
+            if low in _CALLABLE and low not in plain:
+                ended = ~cont & ~v.paren_start  # a function's name: its "(" comes next
+            elif low not in plain:
+                ended = ~cont
+            if ended is not None:
+                b = b | ended
+                b[self._eos] = True
+            return b
+        b = cont & (v.semicolon | v.exit_word | (v.close if arg == 1 else False))
+        if any(e.startswith(low) for e in _EXITS):
+            b = b | (cont & self._cont_exits(partial))
+        if low in _EXITS:  # the word is an exit keyword already: only going on may pass
+            b = b | ~cont
+            b[self._eos] = True
+        return b
 
     def _qualified_table(self, head: str, qualifier: str) -> str | None:
         """The table ``qualifier`` binds after ``head`` (None: unbound yet, derived or not a qualifier)."""
