@@ -327,7 +327,9 @@ def eval_task(
     model: ModelOpt = DEFAULT_MODEL,
     policy: Annotated[str, typer.Option(help="KV policy")] = "full",
     budget: BudgetOpt = None,
-    split: Annotated[str, typer.Option(help="calibration | dev | test (sql: database-disjoint) | all (bfcl)")] = "test",
+    split: Annotated[
+        str, typer.Option(help="calibration | dev | test (sql: database-disjoint) | all (every case)")
+    ] = "test",
     categories: Annotated[
         str | None, typer.Option(help="bfcl: comma-separated BFCL categories (default: the four non-live ones)")
     ] = None,

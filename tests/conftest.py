@@ -37,3 +37,13 @@ def qwen_tokenizer():
     from pask.runtime.models import convert_embedded
 
     return AutoTokenizer.from_pretrained(convert_embedded("qwen2.5-coder-0.5b"))
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The SmolLM2-135M tokenizer only."""
+    from transformers import AutoTokenizer
+
+    from pask.runtime.models import convert_embedded
+
+    return AutoTokenizer.from_pretrained(convert_embedded("smollm2-135m"))

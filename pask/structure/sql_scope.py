@@ -87,10 +87,12 @@ def _unquote(text: str) -> str:
 class ScopeState:
     """Follows a SQL text (:meth:`feed`) and reports names out of scope (:meth:`errors`)."""
 
-    def __init__(self, schema: Schema) -> None:
+    def __init__(self, schema: Schema, _names: tuple[dict, set] | None = None) -> None:
         self.schema = schema
-        self.table_columns = {t.name.lower(): {c.name.lower() for c in t.columns} for t in schema.tables}
-        self.all_columns = {c for cols in self.table_columns.values() for c in cols}
+        if _names is None:  # (a decoder passes its own copy: built once per query, not per step)
+            table_columns = {t.name.lower(): {c.name.lower() for c in t.columns} for t in schema.tables}
+            _names = table_columns, {c for cols in table_columns.values() for c in cols}
+        self.table_columns, self.all_columns = _names
         self.reset()
 
     def reset(self) -> None:
@@ -463,6 +465,10 @@ class ScopedConstraint(Constraint):
         self._pieces: list[str] = []
         self.text = ""
         probe = ScopeState(schema)
+        self._names = probe.table_columns, probe.all_columns
+        self._states: dict[str, tuple[ScopeState, bool]] = {}  # text (right-stripped) -> its state
+        self._rule_memo: dict[str, list[tuple]] = {}
+        self._packed_memo: dict = {}  # (rule or dot table, partial) -> packed forbidden tokens
         self._columns = {t: frozenset(c) for t, c in probe.table_columns.items()}
         names = frozenset((*probe.all_columns, *probe.table_columns))
         # what a FROM clause may go on with (no aggregate there: GROUP would pass as GROUP_CONCAT's
@@ -499,13 +505,35 @@ class ScopedConstraint(Constraint):
             self.seconds += time.perf_counter() - t0
 
     # -- the rules --------------------------------------------------------------------------------
+    def _state(self, head: str) -> tuple[ScopeState, bool]:
+        """The scope state after ``head`` and whether ``head`` ends inside a literal (memoised: the
+        next step's text without its last identifier is mostly this step's text)."""
+        key = head.rstrip()  # trailing whitespace changes nothing (inside a literal: still inside)
+        hit = self._states.get(key)
+        if hit is None:
+            state = ScopeState(self.schema, self._names)
+            state.feed(key)
+            hit = state, state._in_literal(key)
+            if len(self._states) >= 4:
+                self._states.pop(next(iter(self._states)))
+            self._states[key] = hit
+        return hit
+
     def _rules(self, head: str) -> list[tuple]:
         """What a token after ``head`` may write, as rules that all hold: ("words", legal words,
         words that may end here) | ("columns", ..., ...: words, and no quoted name) | ("avoid",
         names, None) | ("exit", closing levels, None: the FROM clause may not end)."""
-        state = ScopeState(self.schema)
-        state.feed(head)
-        if state._in_literal(head):
+        key = head.rstrip()
+        rules = self._rule_memo.get(key)
+        if rules is None:
+            rules = self._rule_memo[key] = self._make_rules(key)
+            if len(self._rule_memo) > 4:
+                self._rule_memo.pop(next(iter(self._rule_memo)))
+        return rules
+
+    def _make_rules(self, head: str) -> list[tuple]:
+        state, in_literal = self._state(head)
+        if in_literal:
             return []
         frame = state.frames[-1]
         upto = len(state.frames) - 1
@@ -603,21 +631,41 @@ class ScopedConstraint(Constraint):
         return good
 
     def _bad(self, partial: str) -> np.ndarray | None:
-        """Tokens the scope forbids next (a boolean mask over the vocabulary), None: none."""
-        v = self._v
+        """Tokens the scope forbids next, packed as the grammar's bitmask words; None: none."""
         head = self.text[: len(self.text) - len(partial)]
-        cont = v.cont_start if partial else np.zeros_like(v.cont_start)
-        parts = [self._new_bad(rule) & ~cont for rule in self._rules(self.text)]
+        cont = self._v.cont_start if partial else np.zeros_like(self._v.cont_start)
+        parts = [
+            self._packed(("new", rule, bool(partial)), lambda r=rule: self._new_bad(r) & ~cont)
+            for rule in self._rules(self.text)
+        ]
         if partial and not head[-1:].isdigit():  # (inside a number such as 1e5: no identifier)
-            parts += [self._going_on_bad(rule, partial, cont) for rule in self._rules(head)]
+            for rule in self._rules(head):
+                parts.append(self._packed(("go", rule, partial), lambda r=rule: self._going_on_bad(r, partial, cont)))
         if partial:  # a token with the dot and the column after a qualifier: the column of its table
             table = self._qualified_table(head, partial.lower())
             if table is not None:
-                words = self._columns[table]
-                parts.append(v.dot_start & ~_mark(np.zeros_like(cont), v.dot, words, _prefixes(words)))
+                parts.append(self._packed(("dot", table), lambda: self._dot_bad(table)))
         if not parts:
             return None
-        return np.logical_or.reduce(parts) if len(parts) > 1 else parts[0]
+        return np.bitwise_or.reduce(parts) if len(parts) > 1 else parts[0]
+
+    def _packed(self, key: tuple, make) -> np.ndarray:
+        """``make()`` (a boolean mask over the vocabulary) packed into bitmask words, memoised by ``key``."""
+        out = self._packed_memo.get(key)
+        if out is None:
+            bits = np.packbits(make()[: self.vocab_size], bitorder="little")
+            out = np.zeros(((self.vocab_size + 31) // 32) * 4, np.uint8)
+            out[: bits.size] = bits
+            out = out.view(np.uint32)
+            if len(self._packed_memo) > 256:
+                self._packed_memo.clear()
+            self._packed_memo[key] = out
+        return out
+
+    def _dot_bad(self, table: str) -> np.ndarray:
+        """Tokens with a qualifier's dot and a column ``table`` lacks."""
+        v, words = self._v, self._columns[table]
+        return v.dot_start & ~_mark(np.zeros_like(v.dot_start), v.dot, words, _prefixes(words))
 
     def _new_bad(self, rule: tuple) -> np.ndarray:
         """The tokens ``rule`` forbids as a new lexeme (after a complete word, or no word)."""
@@ -674,9 +722,8 @@ class ScopedConstraint(Constraint):
 
     def _qualified_table(self, head: str, qualifier: str) -> str | None:
         """The table ``qualifier`` binds after ``head`` (None: unbound yet, derived or not a qualifier)."""
-        state = ScopeState(self.schema)
-        state.feed(head)
-        if state._in_literal(head) or state._expect not in ("expr",):
+        state, in_literal = self._state(head)
+        if in_literal or state._expect not in ("expr",):
             return None
         bound, table = state._binding(qualifier, len(state.frames) - 1)
         return table if bound else None
@@ -706,15 +753,10 @@ class ScopedConstraint(Constraint):
         if bad is None:
             return
         words = bitmask[row].numpy().view(np.uint32)
-        n = self.vocab_size
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:n].astype(bool)
-        kill = bits & bad[:n]
-        if not kill.any():
+        keep = words[: bad.size] & ~bad
+        if np.array_equal(keep, words[: bad.size]):
             return
-        if not (bits & ~kill).any():
+        if not keep.any():
             self.fallbacks += 1
             return
-        keep = np.packbits(bits & ~kill, bitorder="little")
-        out = np.zeros(words.size * 4, np.uint8)
-        out[: keep.size] = keep
-        words[:] = out.view(np.uint32)
+        words[: bad.size] = keep

@@ -132,9 +132,10 @@ class Task(abc.ABC):
         return "all"
 
     def check_fit(self, split: str, options: Mapping[str, Any]) -> None:
-        """PaskError unless these cases may be used to fit a method (calibration): never the test split."""
-        if split == "test":
-            raise PaskError("calibrating on the test split would leak it: use --split calibration (or dev)")
+        """PaskError unless these cases may be used to fit a method (calibration): never the test split
+        (nor ``all``, which holds it)."""
+        if split in ("test", "all"):
+            raise PaskError(f"fitting on split '{split}' would leak the test split: use --split calibration (or dev)")
 
     def run_record(self, limit: int | None, options: Mapping[str, Any]) -> dict:
         """What ``pask eval``'s run record (summary.json ``run``) says about the cases beyond

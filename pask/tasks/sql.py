@@ -24,7 +24,16 @@ from pask.tasks.base import Output, Task, TaskRequest, measured_budgets, table_l
 from pask.tasks.spider_hardness import LEVELS
 from pask.tasks.sql_exec import DEFAULT_TIMEOUT_S, execution_match
 from pask.tasks.sql_prompt import DdlSpan, build_messages, schema_ddl
-from pask.tasks.text_to_sql import DEFAULT_DATA_DIR, SPLITS, Case, db_path, load_cases, load_schema, split_cases
+from pask.tasks.text_to_sql import (
+    DEFAULT_DATA_DIR,
+    SPLITS,
+    UNRATED,
+    Case,
+    db_path,
+    load_cases,
+    load_schema,
+    split_cases,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -71,13 +80,18 @@ def check_databases(cases: list[Case], data_dir: Path | str | None = None) -> No
 
 
 def select_cases(split: str, limit: int | None = None, data_dir: Path | str | None = None) -> list[Case]:
-    """The first ``limit`` cases (file order) of a database-disjoint split, after checking every database."""
-    if split not in SPLITS:
-        raise PaskError(f"unknown split '{split}'; choose one of {', '.join(SPLITS)}")
+    """The first ``limit`` cases (file order) of a database-disjoint split, after checking every database.
+
+    ``all``: every question on an original database, in file order (a directory of one's own, too
+    small to split by database; never for calibration or tuning)."""
+    if split not in (*SPLITS, "all"):
+        raise PaskError(f"unknown split '{split}'; choose one of {', '.join((*SPLITS, 'all'))}")
     if limit is not None and limit < 1:
         raise PaskError(f"--limit must be >= 1, got {limit}")
     cases = load_cases(data_dir)
     check_databases(cases, data_dir)
+    if split == "all":
+        return [c for c in cases if c.original_db][:limit]
     return split_cases(cases)[split][:limit]
 
 
@@ -87,9 +101,14 @@ def _bucket(rows: list[dict]) -> dict:
     return {"n": n, "correct": correct, "ex": round(100 * correct / n, 2) if n else None}
 
 
+def _levels(rows: list[dict]) -> tuple[str, ...]:
+    """Spider's four levels, and ``unrated`` when a question had no parsed query to rate it."""
+    return (*LEVELS, UNRATED) if any(r["difficulty"] == UNRATED for r in rows) else LEVELS
+
+
 def summarize(rows: list[dict]) -> dict:
     """EX (%) per difficulty and overall, failure counts and the measured budget."""
-    levels = {d: _bucket([r for r in rows if r["difficulty"] == d]) for d in LEVELS}
+    levels = {d: _bucket([r for r in rows if r["difficulty"] == d]) for d in _levels(rows)}
     overall = _bucket(rows)
     overall["exec_errors"] = sum(r["error"] is not None and r["stop_reason"] != "schema_error" for r in rows)
     overall["truncated"] = sum(r["stop_reason"] == "length" for r in rows)
@@ -101,7 +120,7 @@ def table_markdown(summary: dict, meta: dict | None = None) -> str:
     """Markdown in the layout of the paper's Table 12 (EX per difficulty + Overall, measured B)."""
     meta = meta or {}
     levels = summary["difficulties"]
-    head = ["Model", "Method", "B", *[f"{d.capitalize()} EX" for d in LEVELS], "Overall EX"]
+    head = ["Model", "Method", "B", *[f"{d.capitalize()} EX" for d in levels], "Overall EX"]
 
     def ex(b: dict) -> str:
         return "–" if b["ex"] is None else f"{b['ex']:.2f}"
@@ -110,10 +129,10 @@ def table_markdown(summary: dict, meta: dict | None = None) -> str:
         meta.get("model", "?"),
         meta.get("policy", "?"),
         f"{summary['measured_b']:.3f}",
-        *[ex(levels[d]) for d in LEVELS],
+        *[ex(levels[d]) for d in levels],
         ex(summary["overall"]),
     ]
-    ns = ["", "", "n", *[str(levels[d]["n"]) for d in LEVELS], str(summary["overall"]["n"])]
+    ns = ["", "", "n", *[str(levels[d]["n"]) for d in levels], str(summary["overall"]["n"])]
     lines = table_lines(head, cells, ns, meta)
     o = summary["overall"]
     lines.append(
@@ -148,7 +167,7 @@ class SqlTask(Task):
     """
 
     name = "sql"
-    splits = SPLITS
+    splits = (*SPLITS, "all")
     options: ClassVar[dict[str, Any]] = {"data_dir": None, "sql_scope": "off"}
     path_options = ("data_dir",)
     default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS

@@ -40,6 +40,7 @@ from pask.tasks.spider_hardness import spider_hardness
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "spider-dev"
 SPLITS = ("calibration", "dev", "test")
+UNRATED = "unrated"  # the difficulty of a question without Spider's parsed query ("sql") to rate it
 SPLIT_FRACTIONS = (0.2, 0.2, 0.6)
 SPLIT_SEED = 0
 SPLIT_TRIALS = 256
@@ -100,7 +101,7 @@ def load_cases(data_dir: Path | str | None = None) -> list[Case]:
                     db_id=e["db_id"],
                     question=e["question"],
                     gold_sql=e["query"],
-                    difficulty=spider_hardness(e["sql"]),
+                    difficulty=spider_hardness(e["sql"]) if "sql" in e else UNRATED,
                     original_db=originals is None or e["db_id"] in originals,
                 )
             )
