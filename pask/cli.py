@@ -340,7 +340,7 @@ def eval_task(
         str | None,
         typer.Option(
             help="sql: on = the grammar plus the scope check (no column the query's FROM clause lacks), "
-            "off = the grammar alone (default: off)"
+            "off = the grammar alone (default: on)"
         ),
     ] = None,
     option: Annotated[

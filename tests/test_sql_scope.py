@@ -313,6 +313,8 @@ def test_sql_scope_option_builds_the_scoped_constraint_and_its_outputs_are_in_sc
     on, _ = prepare(sql, smol, cases[0], 8, sql_scope="on")
     off, _ = prepare(sql, smol, cases[0], 8, sql_scope="off")
     assert isinstance(on.constraint, ScopedConstraint) and type(off.constraint) is Constraint
+    default, _ = prepare(sql, smol, cases[0], 8, **sql.resolve_options({}))
+    assert isinstance(default.constraint, ScopedConstraint)  # on by default
     run_task(sql, smol, cases, tmp_path, batch_size=3, max_new_tokens=48, sql_scope="on")
     rows = [json.loads(x) for x in (tmp_path / "cases.jsonl").read_text().splitlines()]
     assert len(rows) == len(cases)

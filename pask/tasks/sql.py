@@ -162,19 +162,19 @@ class SqlTask(Task):
 
     Option ``data_dir``: the Spider layout to load (default: the bundled copy); ``limit``: the split's
     first N; ``sql_scope``: ``on`` adds the scope check to the grammar
-    (:class:`~pask.structure.sql_scope.ScopedConstraint`: no column its FROM clause lacks), ``off``
-    the grammar alone (the default until the committed results are re-run with it; issue 28).
+    (:class:`~pask.structure.sql_scope.ScopedConstraint`: no column its FROM clause lacks; the
+    default), ``off`` the grammar alone (how the text-to-SQL cells before issue 28 were made).
     """
 
     name = "sql"
     splits = (*SPLITS, "all")
-    options: ClassVar[dict[str, Any]] = {"data_dir": None, "sql_scope": "off"}
+    options: ClassVar[dict[str, Any]] = {"data_dir": None, "sql_scope": "on"}
     path_options = ("data_dir",)
     default_max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     score_key = "ex"
 
     def cases(
-        self, split: str, limit: int | None = None, data_dir: Path | str | None = None, sql_scope: str = "off"
+        self, split: str, limit: int | None = None, data_dir: Path | str | None = None, sql_scope: str = "on"
     ) -> list[Case]:
         check_scope_option(sql_scope)
         return select_cases(split, limit, data_dir)
@@ -185,7 +185,7 @@ class SqlTask(Task):
         tokenizer: Any,
         tagging: bool = False,
         data_dir: Path | str | None = None,
-        sql_scope: str = "off",
+        sql_scope: str = "on",
     ) -> TaskRequest:
         db = database(case.db_id, data_dir)
         messages = build_messages(case, db.schema)
@@ -202,7 +202,7 @@ class SqlTask(Task):
     def case_fields(self, case: Case) -> dict:
         return {"id": case.id, "db_id": case.db_id, "difficulty": case.difficulty}
 
-    def check(self, case: Case, output: Output, data_dir: Path | str | None = None, sql_scope: str = "off") -> dict:
+    def check(self, case: Case, output: Output, data_dir: Path | str | None = None, sql_scope: str = "on") -> dict:
         """Execute the generated query and the gold one on the case's database; EX by BIRD's rule."""
         if output.error is not None:
             return {"correct": False, "error": output.error}
