@@ -111,17 +111,27 @@ def _alternatives(words: list[str] | tuple[str, ...]) -> str:
     return "|".join(re.escape(w) for w in sorted(set(words), key=lambda w: (-len(w), w)))
 
 
+def _ascii_case_free(word: str) -> str:
+    """A regex for ``word`` in any ASCII letter case: SQLite folds ASCII letters only (``(?i)`` would
+    also fold ``ſ`` to ``s`` and ``K`` to ``k``: ``loſt_in_battle`` passed, SQLite rejected it)."""
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isascii() and c.isalpha() else re.escape(c) for c in word)
+
+
+def _case_free_alternatives(words: list[str]) -> str:
+    return "|".join(_ascii_case_free(w) for w in sorted(set(words), key=lambda w: (-len(w), w)))
+
+
 def _names_terminal(names: list[str]) -> str:
-    """A case-insensitive regex terminal for schema identifiers, bare (if possible) or quoted."""
+    """A regex terminal for schema identifiers in any ASCII case, bare (if possible) or quoted."""
     bare = [n for n in names if is_bare_identifier(n)]
     forms = [
-        '"(?:' + _alternatives([n.replace('"', '""') for n in names]) + ')"',
-        "`(?:" + _alternatives([n.replace("`", "``") for n in names]) + ")`",
-        r"\[(?:" + _alternatives([n for n in names if "]" not in n]) + r")\]",
+        '"(?:' + _case_free_alternatives([n.replace('"', '""') for n in names]) + ')"',
+        "`(?:" + _case_free_alternatives([n.replace("`", "``") for n in names]) + ")`",
+        r"\[(?:" + _case_free_alternatives([n for n in names if "]" not in n]) + r")\]",
     ]
     if bare:
-        forms.insert(0, _alternatives(bare))
-    return "/(?i:" + "|".join(forms) + ")/"
+        forms.insert(0, _case_free_alternatives(bare))
+    return "/(?:" + "|".join(forms) + ")/"
 
 
 def sql_grammar(schema: Schema, order_by_aliases: bool = True) -> str:
