@@ -433,6 +433,20 @@ def _join_distances(schema: Schema) -> dict[str, dict[str, int]]:
     return out
 
 
+_MEMOS: dict = {}
+
+
+def _shared_memo(key: tuple) -> dict:
+    """The packed-mask memo of one (tokenizer classes, schema, EOS ids, vocabulary size); the 16 latest."""
+    memo = _MEMOS.pop(key, None)
+    if memo is None:
+        memo = {}
+        while len(_MEMOS) >= 16:
+            _MEMOS.pop(next(iter(_MEMOS)))
+    _MEMOS[key] = memo  # most recent last
+    return memo
+
+
 @lru_cache(maxsize=4)
 def _vocab(ll_tok: llguidance.LLTokenizer) -> _Vocab:
     return _Vocab(ll_tok)
@@ -468,7 +482,9 @@ class ScopedConstraint(Constraint):
         self._names = probe.table_columns, probe.all_columns
         self._states: dict[str, tuple[ScopeState, bool]] = {}  # text (right-stripped) -> its state
         self._rule_memo: dict[str, list[tuple]] = {}
-        self._packed_memo: dict = {}  # (rule or dot table, partial) -> packed forbidden tokens
+        # (rule or dot table, partial) -> packed forbidden tokens; shared by the queries on one
+        # database (the masks depend on the schema, the tokenizer and the EOS ids only)
+        self._packed_memo: dict = _shared_memo((self._v, schema, tuple(self._eos), self.vocab_size))
         self._columns = {t: frozenset(c) for t, c in probe.table_columns.items()}
         names = frozenset((*probe.all_columns, *probe.table_columns))
         # what a FROM clause may go on with (no aggregate there: GROUP would pass as GROUP_CONCAT's
@@ -657,7 +673,7 @@ class ScopedConstraint(Constraint):
             out = np.zeros(((self.vocab_size + 31) // 32) * 4, np.uint8)
             out[: bits.size] = bits
             out = out.view(np.uint32)
-            if len(self._packed_memo) > 256:
+            if len(self._packed_memo) > 2048:
                 self._packed_memo.clear()
             self._packed_memo[key] = out
         return out
