@@ -254,6 +254,21 @@ def test_decoding_lets_a_query_end_when_no_join_can_mend_it(qwen_ll):
     assert _allowed(c, [eos]) == [False]
 
 
+def test_decoding_checks_dot_tokens_of_unbound_qualifiers_and_quoted_names(qwen_ll):
+    """Seen on the real model: 'SELECT T1.Name, T1.Theme' (no table has both; '.Theme' is one token)
+    and "ORDER BY T2.`18_49_Rating_Share`" ('.`' is one token; T2's table quotes no name)."""
+    tok = qwen_ll[0]
+    dot = lambda w: tok.encode(w, add_special_tokens=False)[0]  # noqa: E731
+    assert tok.decode([dot(".Theme")]) == ".Theme" and tok.decode([dot(".`")]) == ".`"
+    c = _scoped(qwen_ll, "concert_singer", "SELECT T1.Name, T1")
+    assert _allowed(c, [dot(".Theme"), dot(".Country"), dot(".Location")]) == [False, True, True]
+    join = "SELECT T1.Title FROM Cartoon AS T1 JOIN TV_Channel AS T2 ON T1.Channel = T2.id"
+    c = _scoped(qwen_ll, "tvshow", join + " ORDER BY T2")
+    assert _allowed(c, [dot(".`"), dot(".id")]) == [False, True]
+    c = _scoped(qwen_ll, "tvshow", "SELECT T3.Episode FROM TV_series AS T3 ORDER BY T3")  # it has `18_49_Rating_Share`
+    assert _allowed(c, [dot(".`")]) == [True]
+
+
 def test_decoding_does_not_start_a_set_operation_through_a_shorter_token(qwen_ll):
     """Seen on the real model: EXCEPT written ' EX' + 'CEPT'; after ' EX' the grammar allows EXCEPT only."""
     text = "SELECT T2.AirportName FROM airports AS T1 JOIN flights AS T3 ON T1.AirportCode = T3.SourceAirport"

@@ -360,6 +360,7 @@ class _Vocab:
         self.exit_first = np.zeros(n, bool)  # ... or the first run is (read as a new lexeme)
         self.dot_start = np.zeros(n, bool)  # "." and a run: a qualified column's dot and name
         self.paren_start = np.zeros(n, bool)  # "(" after optional whitespace: a call's parenthesis
+        self.dot_quote = np.zeros(n, bool)  # "." then a quote: a qualifier's dot and a quoted name
         self.quote_start = np.zeros(n, bool)  # a quoted name's opening quote, after optional whitespace
         dot: dict[tuple[str, str], list[int]] = {}
         new: dict[tuple[str, str], list[int]] = {}
@@ -375,6 +376,7 @@ class _Vocab:
                     self.close[i] = True
                     break
             self.paren_start[i] = text.lstrip().startswith("(")
+            self.dot_quote[i] = text[:1] == "." and text[1:2] in ('"', "`", "[")
             self.quote_start[i] = text.lstrip()[:1] in ('"', "`", "[")
             if not runs:
                 continue
@@ -555,16 +557,11 @@ class ScopedConstraint(Constraint):
         upto = len(state.frames) - 1
         rules = []
         if state._expect == "member":
-            bound, table = state._binding(state._qualifier, upto)
-            if bound and table is not None:
-                cols = self._columns[table]
-                return [(("columns" if table in self._bare else "words"), cols, cols)]
-            needed = {c for q, c in frame.qualified if q == state._qualifier}
-            if bound or not needed:
+            member = self._member_words(state, state._qualifier)
+            if member is None:
                 return []
-            # not bound yet (a select list): a column that some table has beside those named so far
-            cols = frozenset(c for t, tc in self._columns.items() if needed <= tc for c in tc)
-            return [("words", cols, cols)] if cols else []
+            cols, quoted = member
+            return [("words" if quoted else "columns", cols, cols)]
         if state._expect == "table" and frame.clause == "from" and state.depth == frame.depth:
             legal = self._tables_toward(state, frame)
             return [("words", legal, legal)] if legal is not None else []
@@ -597,6 +594,17 @@ class ScopedConstraint(Constraint):
         aliases = {a for f in frames for a in f.aliases}
         plain = frozenset(columns | bindings | aliases | _KEYWORDS | frozenset(CAST_TYPES))
         return [("words", frozenset(plain | _CALLABLE), plain)]
+
+    def _member_words(self, state: ScopeState, qualifier: str) -> tuple[frozenset[str], bool] | None:
+        """The columns ``qualifier.`` may name, and whether a quoted one may be written (some column
+        needs quotes); None: no restriction (a derived table, or nothing known yet)."""
+        bound, table = state._binding(qualifier, len(state.frames) - 1)
+        if bound:
+            return None if table is None else (self._columns[table], table not in self._bare)
+        # not bound yet (a select list): a column that some table has beside those named so far
+        needed = {c for q, c in state.frames[-1].qualified if q == qualifier}
+        cols = frozenset(c for tc in self._columns.values() if needed <= tc for c in tc) if needed else None
+        return (cols, True) if cols else None
 
     def _mendable(self, state: ScopeState, frame: Frame) -> set[str] | None:
         """The tables that would each provide some of what the frame still needs; None: nothing a
@@ -658,9 +666,9 @@ class ScopedConstraint(Constraint):
             for rule in self._rules(head):
                 parts.append(self._packed(("go", rule, partial), lambda r=rule: self._going_on_bad(r, partial, cont)))
         if partial:  # a token with the dot and the column after a qualifier: the column of its table
-            table = self._qualified_table(head, partial.lower())
-            if table is not None:
-                parts.append(self._packed(("dot", table), lambda: self._dot_bad(table)))
+            member = self._qualified_member(head, partial.lower())
+            if member is not None:
+                parts.append(self._packed(("dot", *member), lambda: self._dot_bad(*member)))
         if not parts:
             return None
         return np.bitwise_or.reduce(parts) if len(parts) > 1 else parts[0]
@@ -678,10 +686,11 @@ class ScopedConstraint(Constraint):
             self._packed_memo[key] = out
         return out
 
-    def _dot_bad(self, table: str) -> np.ndarray:
-        """Tokens with a qualifier's dot and a column ``table`` lacks."""
-        v, words = self._v, self._columns[table]
-        return v.dot_start & ~_mark(np.zeros_like(v.dot_start), v.dot, words, _prefixes(words))
+    def _dot_bad(self, words: frozenset[str], quoted: bool) -> np.ndarray:
+        """Tokens with a qualifier's dot and a column not among ``words`` (or, unless ``quoted``, a quote)."""
+        v = self._v
+        bad = v.dot_start & ~_mark(np.zeros_like(v.dot_start), v.dot, words, _prefixes(words))
+        return bad if quoted else bad | v.dot_quote
 
     def _new_bad(self, rule: tuple) -> np.ndarray:
         """The tokens ``rule`` forbids as a new lexeme (after a complete word, or no word)."""
@@ -736,13 +745,13 @@ class ScopedConstraint(Constraint):
             b[self._eos] = True
         return b
 
-    def _qualified_table(self, head: str, qualifier: str) -> str | None:
-        """The table ``qualifier`` binds after ``head`` (None: unbound yet, derived or not a qualifier)."""
+    def _qualified_member(self, head: str, qualifier: str) -> tuple[frozenset[str], bool] | None:
+        """What a token carrying the dot and a column may name after ``head`` + ``qualifier``
+        (:meth:`_member_words`; None: no restriction, or not an expression's identifier)."""
         state, in_literal = self._state(head)
         if in_literal or state._expect not in ("expr",):
             return None
-        bound, table = state._binding(qualifier, len(state.frames) - 1)
-        return table if bound else None
+        return self._member_words(state, qualifier)
 
     def _closes(self, levels: int) -> np.ndarray:
         v = self._v
