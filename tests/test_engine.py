@@ -109,3 +109,15 @@ def test_sql_closing_phase_does_not_loop_on_newlines(smol):
     for g in generate(smol, reqs):
         ids = g.token_ids
         assert not any(ids[k] == ids[k + 1] == ids[k + 2] == nl for k in range(len(ids) - 2)), g.text
+
+
+def test_the_closing_phase_takes_at_most_half_a_small_allowance():
+    """--max-new-tokens 96 once closed the query from its first token ('SELECT "}}"'): the default
+    margin (128) is at most half the allowance; a margin given is kept."""
+    from pask.runtime.tokens import Request
+
+    assert Request([1], max_new_tokens=96).closing_from == 48
+    assert Request([1], max_new_tokens=256).closing_from == 128
+    assert Request([1], max_new_tokens=1000).closing_from == 872
+    assert Request([1], max_new_tokens=40, close_margin=36).closing_from == 4
+    assert Request([1], max_new_tokens=40, close_margin=0).closing_from == 40

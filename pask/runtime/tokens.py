@@ -48,6 +48,9 @@ def new_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+DEFAULT_CLOSE_MARGIN = 128  # the closing phase of a request that sets no margin (at most half its allowance)
+
+
 @dataclass
 class Request:
     """One generation request: prompt token ids and an optional grammar constraint.
@@ -62,7 +65,7 @@ class Request:
     constraint: Constraint | None = None
     max_new_tokens: int = 256
     parse: Callable[[str], Any] | None = None  # task parser for the final text
-    close_margin: int = 128  # last tokens of the allowance spent closing the structure (see closing_tokens)
+    close_margin: int | None = None  # last tokens of the allowance spent closing (None: closing_from's default)
     tagger: Any = None  # structural tagger: ``step(token_bytes) -> Tag`` (JsonCallTagger, SqlTagger)
     prompt_labels: list | None = None  # semantic label per prompt token (for policies and --save-tags)
     temperature: float = 0.0  # 0: greedy
@@ -71,6 +74,17 @@ class Request:
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p, self.seed)
+
+    @property
+    def closing_from(self) -> int:
+        """The generated-token count at which the closing phase starts: the last ``close_margin``
+        tokens of the allowance; by default the last 128, at most its second half (a margin as large
+        as the allowance would close the structure from the first token: --max-new-tokens 96 wrote
+        'SELECT "}}"')."""
+        margin = self.close_margin
+        if margin is None:
+            margin = min(DEFAULT_CLOSE_MARGIN, self.max_new_tokens // 2)
+        return self.max_new_tokens - margin
 
     @property
     def sampled(self) -> bool:
@@ -148,7 +162,7 @@ def pick_tokens(
     rather than restart; each row's draw depends on its own logits and stream only, never on its
     batch-mates.
 
-    A live row in its closing phase (the last ``close_margin`` tokens of its allowance) takes the
+    A live row in its closing phase (from :attr:`Request.closing_from` on) takes the
     first legal token of ``closers`` instead (see :func:`closing_tokens`). Rows that are not live get
     an unconstrained argmax (ignored by the caller).
     """
@@ -169,7 +183,7 @@ def pick_tokens(
                 raise ValueError("a sampled request needs its random stream: pass rngs (see new_generator)")
             nxt[i] = sample_token(logits[i], r.temperature, r.top_p, rng, greedy=nxt[i])
     for i, r in enumerate(requests):  # near the token limit: close the structure, don't truncate
-        closing = len(generated[i]) >= r.max_new_tokens - r.close_margin
+        closing = len(generated[i]) >= r.closing_from
         if live[i] and r.constraint is not None and closing:
             last2 = generated[i][-2:]
             for k in torch.isfinite(logits[i, closers]).nonzero()[:, 0].tolist():
@@ -262,7 +276,7 @@ CLOSER_TEXTS = ("\n", '"}}', '"}', '"]', '"', "]}}", "]}", "}}", "]", "}", ")", 
 def closing_tokens(tok, eos: set[int]) -> torch.Tensor:
     """Tokens that end a value or a structure (plus EOS and the call-closing marker).
 
-    A request that reaches ``max_new_tokens - close_margin`` takes the first legal one in this
+    A request that reaches :attr:`Request.closing_from` takes the first legal one in this
     order (the grammar mask still applies): a small model stuck repeating inside one value
     (endless digits, list items, a string) then finishes a valid call instead of being cut off.
     """

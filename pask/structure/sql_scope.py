@@ -103,6 +103,7 @@ class ScopeState:
         self._qualifier: str | None = None
         self._pending: tuple[str, str] | None = None  # an identifier that a following "(" or "." may reclassify
         self._after_open = False  # the last lexeme was "(" (a "SELECT" next opens a sub-query)
+        self._operand_end = False  # the last lexeme ended an operand (a name, a literal, a ")")
         self._last_table: str | None = None  # the table an "AS alias" binds
         self._last_binding: str | None = None  # the name that table was bound under (its own, or #derived..)
 
@@ -119,8 +120,12 @@ class ScopeState:
         if self._pending is not None:
             self._flush(text)
         after_open, self._after_open = self._after_open, text == "("
+        operand_end, self._operand_end = self._operand_end, (kind in ("qid", "num", "str") or text == ")")
         frame = self.frames[-1]
         if kind == "id":
+            self._operand_end = text.lower() not in _KEYWORDS
+            if operand_end and self._glued_alias(text.lower(), frame):
+                return
             word = text.lower()
             if word in _KEYWORDS:
                 self._keyword(word, frame, after_open)
@@ -183,6 +188,21 @@ class ScopeState:
             frame.clause, self._expect = "compound", "expr"
         elif word not in ("by", "all", "distinct", "natural", "left", "right", "inner", "outer", "cross", "full"):
             self._expect = "expr"
+
+    def _glued_alias(self, low: str, frame: Frame) -> bool:
+        """Bind ``ASname`` right after a table or a select item: the grammar reads it as ``AS name``
+        (nothing forces a space after a keyword), SQLite as the alias ``ASname``; both names bind."""
+        if not (low.startswith("as") and len(low) > 2 and self.depth == frame.depth):
+            return False
+        if frame.clause == "from" and self._expect == "table_alias_maybe":
+            for alias in (low, low[2:]):
+                frame.tables[alias] = self._last_table
+        elif frame.clause == "select" and self._expect == "expr":
+            frame.aliases |= {low, low[2:]}
+        else:
+            return False
+        self._expect = "expr"
+        return True
 
     def _identifier(self, name: str, frame: Frame) -> None:
         low = name.lower()
@@ -578,7 +598,8 @@ class ScopedConstraint(Constraint):
             return [("avoid", frozenset(taken | lacking), None)] if taken | lacking else []
         if frame.clause in ("on", "where", "group", "having", "order") and state._expect == "expr":
             rules += self._in_scope(state, frame)
-        if frame.clause in ("from", "on") and self._mendable(state, frame) is not None:
+        # a FROM clause (or a select list without one) cannot end while a JOIN (a FROM) can still mend it
+        if frame.clause in ("select", "from", "on") and self._mendable(state, frame) is not None:
             rules.append(("exit", (state.depth - frame.depth + 1 if upto else None), None))
         return rules
 
