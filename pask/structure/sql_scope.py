@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import llguidance
@@ -82,6 +82,17 @@ def _unquote(text: str) -> str:
     if text[:1] == "[" and text.endswith("]"):
         return text[1:-1]
     return text
+
+
+def _open_literal(last: re.Match | None) -> bool:
+    """Whether the lexeme ``last`` is a string literal or a quoted name still open."""
+    if last is None or last.lastgroup not in ("str", "qid"):
+        return False
+    lexeme = last.group()
+    close = {"'": "'", '"': '"', "`": "`", "[": "]"}[lexeme[0]]
+    if len(lexeme) == 1 or not lexeme.endswith(close):
+        return True
+    return close != "]" and len(lexeme) > 2 and lexeme.endswith(close * 2)  # an escaped quote, still open
 
 
 class ScopeState:
@@ -253,13 +264,25 @@ class ScopeState:
         last = None
         for m in _LEXEME.finditer(text):
             last = m
-        if last is None or last.lastgroup not in ("str", "qid"):
-            return False
-        lexeme = last.group()
-        close = {"'": "'", '"': '"', "`": "`", "[": "]"}[lexeme[0]]
-        if len(lexeme) == 1 or not lexeme.endswith(close):
-            return True
-        return close != "]" and len(lexeme) > 2 and lexeme.endswith(close * 2)  # an escaped quote, still open
+        return _open_literal(last)
+
+    def copy(self) -> ScopeState:
+        """An independent copy (frames and their containers copied; the schema's names shared)."""
+        new = object.__new__(ScopeState)
+        new.__dict__.update(self.__dict__)
+        new.frames = [
+            replace(
+                f,
+                tables=dict(f.tables),
+                columns=list(f.columns),
+                qualified=list(f.qualified),
+                aliases=set(f.aliases),
+                finished=list(f.finished),
+            )
+            for f in self.frames
+        ]
+        new.closed = list(self.closed)
+        return new
 
     # -- scope ------------------------------------------------------------------------------------
     def _binding(self, qualifier: str, upto: int) -> tuple[bool, str | None]:
@@ -503,6 +526,7 @@ class ScopedConstraint(Constraint):
         probe = ScopeState(schema)
         self._names = probe.table_columns, probe.all_columns
         self._states: dict[str, tuple[ScopeState, bool]] = {}  # text (right-stripped) -> its state
+        self._checkpoint: tuple[str, str, ScopeState] | None = None  # see _feed
         self._rule_memo: dict[str, list[tuple]] = {}
         # (rule or dot table, partial) -> packed forbidden tokens; shared by the queries on one
         # database (the masks depend on the schema, the tokenizer and the EOS ids only)
@@ -549,13 +573,38 @@ class ScopedConstraint(Constraint):
         key = head.rstrip()  # trailing whitespace changes nothing (inside a literal: still inside)
         hit = self._states.get(key)
         if hit is None:
-            state = ScopeState(self.schema, self._names)
-            state.feed(key)
-            hit = state, state._in_literal(key)
+            hit = self._feed(key)
             if len(self._states) >= 4:
                 self._states.pop(next(iter(self._states)))
             self._states[key] = hit
         return hit
+
+    def _feed(self, key: str) -> tuple[ScopeState, bool]:
+        """Feed ``key`` from the checkpoint of an earlier text when it goes on from there: the state
+        before that text's last lexeme (the only one that more text can change), kept with the text
+        before it and the lexeme's first character (the same character: the lexemes before end the
+        same way)."""
+        start, state = 0, None
+        if self._checkpoint is not None:
+            prefix, first, snap = self._checkpoint
+            if key.startswith(prefix) and key[len(prefix) : len(prefix) + 1] == first:
+                start, state = len(prefix), snap
+        if state is None:
+            state = ScopeState(self.schema, self._names)
+        lexemes = [m for m in _LEXEME.finditer(key, start) if m.lastgroup != "ws"]
+        last = lexemes[-1] if lexemes else None
+        if last is not None and last.start() == start and start and state is self._checkpoint[2]:
+            state = state.copy()  # only the last lexeme changed: the checkpoint stays
+        else:  # the checkpoint moves to before this text's last lexeme (one copy either way)
+            for m in lexemes[:-1]:
+                state._lexeme(m.lastgroup, m.group())
+            if last is not None:
+                self._checkpoint = key[: last.start()], key[last.start()], state
+                state = state.copy()
+        if last is not None:
+            state._lexeme(last.lastgroup, last.group())
+        state._flush(None)
+        return state, _open_literal(last)
 
     def _rules(self, head: str) -> list[tuple]:
         """What a token after ``head`` may write, as rules that all hold: ("words", legal words,
