@@ -57,6 +57,7 @@ def decode(lm, task, cases, scope: str, batch: int, max_new_tokens: int) -> dict
         "tokens": int(tokens),
         "step_ms": round(1000 * decode_s / steps, 3),
         "scope_ms_per_step": round(1000 * scope_s / steps, 4),
+        "scope_ms_per_row_step": round(1000 * scope_s / tokens, 4),
         "overhead": round(scope_s / (decode_s - scope_s), 5) if scope == "on" else None,
     }
 
@@ -93,6 +94,13 @@ def main() -> None:
         )
         for b in (1, 16)
     }
+    # a full batch of rows mid-query: every row pays the per-row cost, against the mean step of the
+    # off run (fewer live rows, so shorter: the bound errs high)
+    full = {}
+    for b in (1, 16):
+        on = next(r for r in rows if r["batch"] == b and r["scope"] == "on")
+        off = next(r for r in rows if r["batch"] == b and r["scope"] == "off")
+        full[b] = round(b * on["scope_ms_per_row_step"] / off["step_ms"], 5)
     result = {
         "model": args.model,
         "dtype": "bf16",
@@ -101,6 +109,7 @@ def main() -> None:
         "threads": args.threads,
         "rows": rows,
         "step_ratio_on_off": ratio,
+        "full_batch_bound": full,
     }
     command = shlex.join(["python", "benchmarks/sql_scope_overhead.py", *sys.argv[1:]])
     md = markdown(result, command)
@@ -119,19 +128,24 @@ def markdown(r: dict, command: str) -> str:
         f"{r['threads']} threads, static batches. Overhead: the scope masks' time over the rest of the "
         "decode time, on the same tokens.",
         "",
-        "| batch | scope | steps | tokens | decode s | step ms | scope ms / step | overhead |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| batch | scope | steps | tokens | decode s | step ms | scope ms / step | scope ms / row-step | overhead |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for x in r["rows"]:
         ov = "-" if x["overhead"] is None else f"{100 * x['overhead']:.2f} %"
         lines.append(
             f"| {x['batch']} | {x['scope']} | {x['steps']} | {x['tokens']} | {x['decode_s']} | {x['step_ms']} "
-            f"| {x['scope_ms_per_step']} | {ov} |"
+            f"| {x['scope_ms_per_step']} | {x['scope_ms_per_row_step']} | {ov} |"
         )
     lines += [
         "",
         "Step time on / off (informational: with the check on, the outputs and so the steps differ): "
         + ", ".join(f"batch {b}: {v}" for b, v in r["step_ratio_on_off"].items())
+        + ".",
+        "",
+        "Bound for a batch whose every row is mid-query (batch x scope ms per row-step / the off run's mean "
+        "step, which had fewer live rows and so errs high): "
+        + ", ".join(f"batch {b}: {100 * v:.2f} %" for b, v in r["full_batch_bound"].items())
         + ".",
         "",
     ]
