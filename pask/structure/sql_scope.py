@@ -258,14 +258,6 @@ class ScopeState:
         else:
             frame.qualified.append((qualifier, low))
 
-    @staticmethod
-    def _in_literal(text: str) -> bool:
-        """Whether ``text`` ends inside a string literal or a quoted name (an unterminated lexeme)."""
-        last = None
-        for m in _LEXEME.finditer(text):
-            last = m
-        return _open_literal(last)
-
     def copy(self) -> ScopeState:
         """An independent copy (frames and their containers copied; the schema's names shared)."""
         new = object.__new__(ScopeState)
@@ -303,19 +295,25 @@ class ScopeState:
                     return True
         return False
 
-    def _core_errors(self, frame: Frame) -> list[ScopeError]:
-        if frame.compound and frame.clause == "order":
-            return []
-        upto = self.frames.index(frame)
-        out = []
+    def _unprovided(self, frame: Frame, upto: int):
+        """The names ``frame`` (at ``upto``) references that its scope does not provide, as
+        ``(qualifier, column, bound)``: qualifier None for an unqualified column; ``bound`` for a
+        qualifier that is bound, to a table without the column."""
         for column, clause in frame.columns:  # GROUP BY / ORDER BY see the sub-query's own tables only (SQLite)
             if column not in frame.aliases and not self._provided(column, upto, clause in ("group", "order")):
-                out.append(ScopeError("no such column", column))
+                yield None, column, False
         for qualifier, column in frame.qualified:
             bound, table = self._binding(qualifier, upto)
             if not bound or (table is not None and column not in self.table_columns.get(table, ())):
-                out.append(ScopeError("no such column", f"{qualifier}.{column}"))
-        return out
+                yield qualifier, column, bound
+
+    def _core_errors(self, frame: Frame) -> list[ScopeError]:
+        if frame.compound and frame.clause == "order":
+            return []
+        return [
+            ScopeError("no such column", column if q is None else f"{q}.{column}")
+            for q, column, _ in self._unprovided(frame, self.frames.index(frame))
+        ]
 
     def frame_errors(self) -> list[ScopeError]:
         """Names the innermost open (sub-)query references that its scope does not provide (so far)."""
@@ -333,19 +331,15 @@ class ScopeState:
         """
         self._flush(None)
         frame = self.frames[-1]
-        upto = len(self.frames) - 1
-        columns = {
-            c
-            for c, clause in frame.columns
-            if c not in frame.aliases and not self._provided(c, upto, clause in ("group", "order"))
-        }
+        columns: set[str] = set()
         qualified: dict[str, set[str]] = {}
         dead = bool(frame.finished)
-        for qualifier, column in frame.qualified:
-            bound, table = self._binding(qualifier, upto)
-            if not bound:
+        for qualifier, column, bound in self._unprovided(frame, len(self.frames) - 1):
+            if qualifier is None:
+                columns.add(column)
+            elif not bound:
                 qualified.setdefault(qualifier, set()).add(column)
-            elif table is not None and column not in self.table_columns.get(table, ()):
+            else:
                 dead = True
         return columns, qualified, dead
 
@@ -405,6 +399,7 @@ class _Vocab:
         self.paren_start = np.zeros(n, bool)  # "(" after optional whitespace: a call's parenthesis
         self.dot_quote = np.zeros(n, bool)  # "." then a quote: a qualifier's dot and a quoted name
         self.quote_start = np.zeros(n, bool)  # a quoted name's opening quote, after optional whitespace
+        self.nothing = np.zeros(n, bool)  # no token (never written to)
         dot: dict[tuple[str, str], list[int]] = {}
         new: dict[tuple[str, str], list[int]] = {}
         cont: dict[tuple[str, str], list[int]] = {}
@@ -478,6 +473,38 @@ def _join_distances(schema: Schema) -> dict[str, dict[str, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class _SchemaFacts:
+    """What the scope masks need of a schema, derived once per schema (not per request)."""
+
+    names: tuple[dict, set]  # ScopeState's (table -> columns, all columns)
+    columns: dict[str, frozenset[str]]  # table -> its columns (lower-cased)
+    exit_only: frozenset[str]  # prefixes that can only grow into a FROM clause's exit keyword
+    dist: dict[str, dict[str, int]]  # foreign-key hops between tables (_join_distances)
+    bare: frozenset[str]  # tables none of whose columns needs quotes
+    cap: int  # table references after which a FROM clause may end anyway
+
+
+@lru_cache(maxsize=32)
+def _schema_facts(schema: Schema) -> _SchemaFacts:
+    probe = ScopeState(schema)
+    names = frozenset((*probe.all_columns, *probe.table_columns))
+    # what a FROM clause may go on with (no aggregate there: GROUP would pass as GROUP_CONCAT's
+    # start; no EXISTS, which cannot follow a table or an operand: ' EX' would pass as its start
+    # and leave the grammar nothing but EXCEPT, seen on the real model)
+    going_on = (_KEYWORDS - _EXITS - {"exists"}) | frozenset(FUNCTIONS) | frozenset(CAST_TYPES) | names
+    non_exit = _prefixes(going_on)
+    columns = {t: frozenset(c) for t, c in probe.table_columns.items()}
+    return _SchemaFacts(
+        names=(probe.table_columns, probe.all_columns),
+        columns=columns,
+        exit_only=frozenset(p for p in _prefixes(_EXITS) if p not in non_exit),
+        dist=_join_distances(schema),
+        bare=frozenset(t.name.lower() for t in schema.tables if all(is_bare_identifier(c.name) for c in t.columns)),
+        cap=len(columns) + 2,
+    )
+
+
 _MEMOS: dict = {}
 
 
@@ -502,18 +529,19 @@ class ScopedConstraint(Constraint):
 
     On top of the grammar's mask (AND) it removes the tokens that would
 
-    * end a FROM clause (``WHERE``, ``GROUP``, ``ORDER``, ``LIMIT``, a set operation, the ``)`` of a
-      sub-query, ``;``, EOS) while the (sub-)query names a column that none of its tables provides
-      or a qualifier it has not bound (:meth:`ScopeState.frame_errors`): the query must first JOIN
-      the table that has it;
-    * write, after the FROM clause (WHERE, GROUP BY, HAVING, ORDER BY), a column that no table in
-      scope has (GROUP BY / ORDER BY of a sub-query: its own tables), or, after ``T.``, a column
-      that ``T``'s table lacks.
+    * end a select list that names columns without a FROM clause, or end a FROM clause (``WHERE``,
+      ``GROUP``, ``ORDER``, ``LIMIT``, a set operation, the ``)`` of a sub-query, ``;``, EOS) while
+      a JOIN can still provide a column or a qualifier the (sub-)query names (:meth:`ScopeState.missing`);
+      meanwhile the next table is one that provides some, or lies on a foreign-key path toward one;
+    * bind an alias that is taken, or whose table lacks a column named through it;
+    * write, in an ON condition or after the FROM clause, a column no table in scope has (a
+      sub-query's GROUP BY / ORDER BY: its own tables); after ``T.``, a column ``T``'s table lacks
+      (``T`` not bound yet: a column that no one table has together with those named through ``T``).
 
-    Unqualified names in the select list are free when written (the FROM clause comes after them).
+    A FROM clause may end anyway once nothing can mend it or it holds #tables + 2 references.
     The masks are numpy operations over token classes precomputed per tokenizer (:class:`_Vocab`),
-    cached per legal word set. If the scope would leave no token at all, the grammar's mask stands
-    (``fallbacks`` counts it). ``seconds`` sums the time the scope masks took.
+    packed into bitmask words and memoised per database. If the scope would leave no token at all,
+    the grammar's mask stands (``fallbacks`` counts it). ``seconds`` sums the time the scope masks took.
     """
 
     def __init__(self, ll_tok: llguidance.LLTokenizer, lark: str, schema: Schema, eos_ids: list[int]) -> None:
@@ -523,26 +551,16 @@ class ScopedConstraint(Constraint):
         self._eos = [i for i in eos_ids if i < self.vocab_size]
         self._pieces: list[str] = []
         self.text = ""
-        probe = ScopeState(schema)
-        self._names = probe.table_columns, probe.all_columns
+        facts = _schema_facts(schema)
+        self._names, self._columns, self._exit_only = facts.names, facts.columns, facts.exit_only
+        self._dist, self._bare, self._cap = facts.dist, facts.bare, facts.cap
         self._states: dict[str, tuple[ScopeState, bool]] = {}  # text (right-stripped) -> its state
         self._checkpoint: tuple[str, str, ScopeState] | None = None  # see _feed
         self._rule_memo: dict[str, list[tuple]] = {}
         # (rule or dot table, partial) -> packed forbidden tokens; shared by the queries on one
         # database (the masks depend on the schema, the tokenizer and the EOS ids only)
         self._packed_memo: dict = _shared_memo((self._v, schema, tuple(self._eos), self.vocab_size))
-        self._columns = {t: frozenset(c) for t, c in probe.table_columns.items()}
-        names = frozenset((*probe.all_columns, *probe.table_columns))
-        # what a FROM clause may go on with (no aggregate there: GROUP would pass as GROUP_CONCAT's
-        # start; no EXISTS, which cannot follow a table or an operand: ' EX' would pass as its start
-        # and leave the grammar nothing but EXCEPT, seen on the real model)
-        going_on = (_KEYWORDS - _EXITS - {"exists"}) | frozenset(FUNCTIONS) | frozenset(CAST_TYPES) | names
-        non_exit = _prefixes(going_on)
-        self._exit_only = frozenset(p for p in _prefixes(_EXITS) if p not in non_exit)
         self._good: dict = {}  # (legal words) -> tokens a new lexeme may be
-        self._dist = _join_distances(schema)
-        self._bare = {t.name.lower() for t in schema.tables if all(is_bare_identifier(c.name) for c in t.columns)}
-        self._cap = len(self._columns) + 2  # table references after which a FROM clause may end anyway
         self.seconds = 0.0
         self.fallbacks = 0
 
@@ -727,7 +745,7 @@ class ScopedConstraint(Constraint):
     def _bad(self, partial: str) -> np.ndarray | None:
         """Tokens the scope forbids next, packed as the grammar's bitmask words; None: none."""
         head = self.text[: len(self.text) - len(partial)]
-        cont = self._v.cont_start if partial else np.zeros_like(self._v.cont_start)
+        cont = self._v.cont_start if partial else self._v.nothing
         parts = [
             self._packed(("new", rule, bool(partial)), lambda r=rule: self._new_bad(r) & ~cont)
             for rule in self._rules(self.text)
