@@ -48,7 +48,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from pask.errors import PaskError
-from pask.runtime.tokens import Request, eos_ids
+from pask.runtime.tokens import DEFAULT_CLOSE_MARGIN, Request, eos_ids
 from pask.structure.constraint import (
     Constraint,
     SchemaError,
@@ -69,7 +69,8 @@ from pask.tasks.function_calling import (
 )
 
 DEFAULT_MAX_TOKENS = 256
-CLOSE_MARGIN = 128  # closing phase of tool / JSON requests: at most this many last tokens, a quarter of max_tokens
+# closing phase of tool / JSON requests: at most this many last tokens, a quarter of max_tokens
+CLOSE_MARGIN = DEFAULT_CLOSE_MARGIN
 MAX_JSON_DEPTH = 128  # nesting levels of the request body (a schema at MAX_SCHEMA_DEPTH needs about 70)
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range

@@ -107,8 +107,9 @@ STRING: /'([^']|'')*'/ | /"([^"]|"")*"/
 """
 
 
-def _alternatives(words: list[str] | tuple[str, ...]) -> str:
-    return "|".join(re.escape(w) for w in sorted(set(words), key=lambda w: (-len(w), w)))
+def _alternatives(words: list[str] | tuple[str, ...], form=re.escape) -> str:
+    """``words`` as regex alternatives, longest first, each written by ``form``."""
+    return "|".join(form(w) for w in sorted(set(words), key=lambda w: (-len(w), w)))
 
 
 def _ascii_case_free(word: str) -> str:
@@ -117,20 +118,16 @@ def _ascii_case_free(word: str) -> str:
     return "".join(f"[{c.lower()}{c.upper()}]" if c.isascii() and c.isalpha() else re.escape(c) for c in word)
 
 
-def _case_free_alternatives(words: list[str]) -> str:
-    return "|".join(_ascii_case_free(w) for w in sorted(set(words), key=lambda w: (-len(w), w)))
-
-
 def _names_terminal(names: list[str]) -> str:
     """A regex terminal for schema identifiers in any ASCII case, bare (if possible) or quoted."""
     bare = [n for n in names if is_bare_identifier(n)]
     forms = [
-        '"(?:' + _case_free_alternatives([n.replace('"', '""') for n in names]) + ')"',
-        "`(?:" + _case_free_alternatives([n.replace("`", "``") for n in names]) + ")`",
-        r"\[(?:" + _case_free_alternatives([n for n in names if "]" not in n]) + r")\]",
+        '"(?:' + _alternatives([n.replace('"', '""') for n in names], _ascii_case_free) + ')"',
+        "`(?:" + _alternatives([n.replace("`", "``") for n in names], _ascii_case_free) + ")`",
+        r"\[(?:" + _alternatives([n for n in names if "]" not in n], _ascii_case_free) + r")\]",
     ]
     if bare:
-        forms.insert(0, _case_free_alternatives(bare))
+        forms.insert(0, _alternatives(bare, _ascii_case_free))
     return "/(?:" + "|".join(forms) + ")/"
 
 
