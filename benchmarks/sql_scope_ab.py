@@ -84,10 +84,14 @@ def compare(off_dir: Path, on_dir: Path, schemas: dict) -> dict:
 
 
 def _code(run_dir: Path) -> str:
-    """The code version that made a run (``commit[:12]``, ``+dirty`` if so), from its summary.json."""
+    """The code version that made a run (``commit[:12]``, ``+dirty`` if so), from its summary.json
+    (a sweep cell: its cell.json)."""
     if not (run_dir / "summary.json").is_file():
         raise SystemExit(f"error: {run_dir} has no summary.json (the run has not finished)")
-    v = json.loads((run_dir / "summary.json").read_text())["run"].get("code_version") or {}
+    v = json.loads((run_dir / "summary.json").read_text())["run"].get("code_version")
+    if not v and (run_dir / "cell.json").is_file():  # a sweep cell: its manifest records the version
+        v = json.loads((run_dir / "cell.json").read_text()).get("code_version")
+    v = v or {}
     return (v.get("commit") or "?")[:12] + ("+dirty" if v.get("dirty") else "")
 
 
