@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
-from pask.kv import Action
+from pask.kv import Action, CostModel
 from pask.kv import native_attention as na
 from pask.kv.cache import CacheConfig, TieredCache
 from pask.runtime.session import decide_row, row_budget
@@ -36,7 +36,7 @@ OUT = Path(__file__).resolve().parent / "results"
 QWEN_05B = SimpleNamespace(
     num_hidden_layers=24, num_key_value_heads=2, head_dim=64, hidden_size=896, num_attention_heads=14
 )
-INT4_COST = 0.3125
+COSTS = CostModel()  # INT4 0.3125, INT2 0.1875 of BF16 at head_dim 64
 
 
 def keep(ctx) -> list:
@@ -62,14 +62,14 @@ def run(batch: int, prompt: int, steps: int, decide, native: bool) -> float:
         cache.update(k, k, layer)
     decided = [0] * batch
     for b in range(batch):  # the prompt: all but the recent window INT4 in group 0 (sets the key balance)
-        decided[b] = decide_row(cache, b, lambda c: [(0, c.leaving, Action.L)], 0, [], [], None, INT4_COST)
+        decided[b] = decide_row(cache, b, lambda c: [(0, c.leaving, Action.L)], 0, [], [], None, COSTS)
     new = torch.randn(batch, 2, 1, 64, generator=gen).to(torch.bfloat16)
 
     def step() -> None:
         for layer in range(QWEN_05B.num_hidden_layers):
             cache.update(new, new, layer)
         for b in range(batch):
-            decided[b] = decide_row(cache, b, decide, decided[b], [], [], None, INT4_COST)
+            decided[b] = decide_row(cache, b, decide, decided[b], [], [], None, COSTS)
             row_budget(cache, b)
 
     step()  # warm-up (first native call, index growth)

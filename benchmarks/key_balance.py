@@ -6,7 +6,7 @@ Real BFCL dev prompts on qwen2.5-coder-0.5b (bf16). Each case is decoded once wi
 tiered cache (every token H); its generated tokens are then replayed (teacher forcing) with every
 token outside the recent window moved to the L tier: INT4 with plain per-token keys, INT4 with
 the per-channel key balance (``CacheConfig.key_balance``), and INT2 with the balance (the tier
-KIVI-2 uses: ``CacheConfig.low_bits = 2``). For each decode step and layer the relative L2 error of
+KIVI-2 uses: every token in the INT2 tier). For each decode step and layer the relative L2 error of
 the attention output (input of ``o_proj``) against the all-H replay is averaged. Writes
 ``benchmarks/results/key_balance.{json,md}``.
 """
@@ -50,14 +50,18 @@ def main() -> None:
     forced = [g.token_ids[: args.tokens] for g in gens]
     no_tags = [[] for _ in cases]
     labels = [None for _ in cases]
-    all_l = get_policy("static_mix", h=0.0, l=1.0, r=0.0)
+    all_low = {
+        4: get_policy("static_mix", h=0.0, l=1.0, r=0.0),
+        2: get_policy("static_mix", h=0.0, l=0.0, r=0.0, l2=1.0),
+    }
     ref = forced_capture(lm.model, prompts, forced, get_policy("full"), no_tags, labels, CacheConfig())
     rows = {}
     variants = (("per-token INT4 keys", False, 4), ("balanced INT4 keys", True, 4), ("balanced INT2 (KIVI-2)", True, 2))
     for name, balanced, bits in variants:
         acc = DistortionSum(lm.num_layers)
-        cfg = CacheConfig(key_balance=balanced, low_bits=bits)
-        for p, f in zip(forced_capture(lm.model, prompts, forced, all_l, no_tags, labels, cfg), ref, strict=True):
+        cfg = CacheConfig(key_balance=balanced)
+        replay = forced_capture(lm.model, prompts, forced, all_low[bits], no_tags, labels, cfg)
+        for p, f in zip(replay, ref, strict=True):
             acc.add(p, f)
         rows[name] = (acc.err / max(acc.steps, 1)).tolist()
     command = "python benchmarks/key_balance.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -68,7 +72,7 @@ def main() -> None:
         "",
         f"Command: `{command}`  ",
         f"{len(cases)} BFCL dev cases ({', '.join(c.id for c in cases)}); every token outside the recent "
-        f"window in the L tier (INT4, or INT2 in the last column; values per token in every column), {args.tokens} "
+        f"window in a low tier (INT4, or INT2 in the last column; values per token in every column), {args.tokens} "
         "generated tokens replayed. Relative L2 error of each layer's attention output against the all-BF16 "
         "replay, mean over decode steps.",
         "",

@@ -530,13 +530,16 @@ def calibrate(
     ] = "all",
     alpha_d: Annotated[float, typer.Option(help="tolerance of decode buckets (accuracy drop, 0.05 = 5 pp)")] = 0.05,
     alpha_p: Annotated[float, typer.Option(help="tolerance of prompt buckets (accuracy drop)")] = 0.02,
+    actions: Annotated[
+        str, typer.Option(help="lossy actions to probe: L,L2,R (four-action table) or L,R (BF16 / INT4 / release)")
+    ] = "L,L2,R",
     batch_size: int = 8,
     dtype: str = "bf16",
     threads: int | None = None,
     prefill_store: PrefillStoreOpt = None,
 ) -> None:
     """Offline calibration: sensitivity floors + distortion-ranked upgrades -> frozen PASK table."""
-    from pask.calibration.calibrate import calibrate_command, report_path_for
+    from pask.calibration.calibrate import calibrate_command, check_probe_actions, report_path_for
 
     check_budget(budget, "--budget")
     if distortion_scope not in ("all", "allowed"):
@@ -544,6 +547,7 @@ def calibrate(
     for name, a in (("--alpha-d", alpha_d), ("--alpha-p", alpha_p)):
         if not 0 <= a < 1:
             raise PaskError(f"{name} must be in [0, 1), got {a}")
+    probe_actions = check_probe_actions(a.strip() for a in actions.split(",") if a.strip())
     _threads(threads, prefill_store)
     with progress_bar() as bar:
         tasks: dict[str, int] = {}
@@ -571,6 +575,7 @@ def calibrate(
             distortion_scope=distortion_scope,
             alpha_d=alpha_d,
             alpha_p=alpha_p,
+            actions=probe_actions,
         )
     console.print(f"table: {out} (expected B {table.expected_b:.3f}); report: {report_path_for(out)}")
 

@@ -57,7 +57,7 @@ from pask.errors import PaskError
 from pask.kv import stats
 from pask.kv.attention import check_model, enable_pask_attention, register
 from pask.kv.budget import CostModel, check_budget
-from pask.kv.cache import CacheConfig, TieredCache, config_for
+from pask.kv.cache import CacheConfig, TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.policies.base import Policy
 from pask.policies.full import FullPolicy
@@ -205,7 +205,7 @@ def kv_policy(
         raise PaskError(f"cache_config must be a pask.kv.cache.CacheConfig, got {type(cache_config).__name__}")
     register()
     check_model(hf)  # UnsupportedModelError (a PaskError) before anything is changed
-    return KVPolicy(hf, pol, config_for(pol, cache_config))
+    return KVPolicy(hf, pol, cache_config or CacheConfig())
 
 
 class KVPolicy:
@@ -236,7 +236,7 @@ class KVPolicy:
         self._phase: str | None = None  # "prefill" | "step" between a pre-hook and its hook
         self.cache = self.new_cache()
         dtype = next(model.parameters()).dtype
-        self.l_cost = CostModel(self.cache.spec.head_dim, config.quant_group, dtype, config.low_bits).l_ratio
+        self.costs = CostModel(self.cache.spec.head_dim, config.quant_group, dtype)
 
     # -- context manager ----------------------------------------------------------------------
     def __enter__(self) -> KVPolicy:
@@ -375,7 +375,7 @@ class KVPolicy:
         if phase is None or self._cache_of(kwargs) is not self.cache:
             return None
         cache, col = self.cache, self._collector
-        cost = self.l_cost
+        cost = self.costs
         with torch.no_grad():  # generate runs under no_grad: tensors made here must not be inference tensors
             for b, row in enumerate(self._rows):
                 extra = {}

@@ -33,8 +33,9 @@ def test_tiny_calibration_writes_files_and_resumes(smol, tmp_path):
     assert abs(sum(it["share"] for it in plan["items"]) + plan["window_share"] + plan["unmeasured_share"] - 1) < 1e-9
     pick = [f"{next(it['name'] for it in plan['items'] if it['stage'] == s)}|g{g}" for s, g in (("P", 0), ("D", 3))]
 
-    # 2. two buckets: control reused, 2 x 2 candidates measured for V and D
-    table = calibrate(smol, buckets=pick, progress=lambda *e: events.append(e), **kw)
+    # 2. two buckets, three actions (L, R): control reused, 2 x 2 candidates measured for V and D
+    table = calibrate(smol, buckets=pick, progress=lambda *e: events.append(e), actions=("L", "R"), **kw)
+    assert table.calibration["actions"] == ["H", "L", "R"] and "L2" not in table.actions.values()
     this = table.calibration["this_call"]
     assert this == {**this, "control_batches": 0, "sensitivity_candidates": 4, "distortion_candidates": 4}
     assert {e[0] for e in events} == {"control", "sensitivity", "distortion"}
@@ -55,11 +56,21 @@ def test_tiny_calibration_writes_files_and_resumes(smol, tmp_path):
     assert "Table 15 layout" in report and "Table 16 layout" in report and "Mismatch 20,50" in report
 
     # 3. rerun: nothing recomputed
-    again = calibrate(smol, buckets=pick, **kw)
+    again = calibrate(smol, buckets=pick, actions=("R", "L"), **kw)
     this = again.calibration["this_call"]
     assert (this["control_batches"], this["sensitivity_candidates"], this["distortion_candidates"]) == (0, 0, 0)
     assert _lines(work / "sensitivity.jsonl") == 4 and _lines(work / "distortion.jsonl") == 4
     assert again.actions == table.actions
+
+    # 4. four actions (the default): only the two INT2 candidates are new
+    four = calibrate(smol, buckets=pick, **kw)
+    this = four.calibration["this_call"]
+    assert (this["sensitivity_candidates"], this["distortion_candidates"]) == (2, 2)
+    assert four.calibration["actions"] == ["H", "L", "L2", "R"]
+    assert all("L2" in b["V"] and "L2" in b["D"] for b in four.calibration["buckets"])
+    assert "V(L2)" in report_path_for(out).read_text()
+    with pytest.raises(PaskError, match="include L"):
+        calibrate(smol, buckets=pick, actions=("L2", "R"), **kw)
 
 
 @pytest.mark.slow
@@ -110,7 +121,7 @@ def test_pooled_calibration_probes_each_item_once_in_every_group(smol, tmp_path)
     meta = table.calibration  # 2 cases: V moves in steps of 1/2, finer tolerances are unmeasurable
     assert meta["v_resolution"] == 0.5 and meta["alpha_p_effective"] > 0.5 and table.alpha_p == 0.02
     recs = [json.loads(x) for x in (work_dir_for(out) / "distortion.jsonl").read_text().splitlines()]
-    assert sorted((r["bucket"], r["action"]) for r in recs) == [(f"{item}|all", "L"), (f"{item}|all", "R")]
+    assert sorted((r["bucket"], r["action"]) for r in recs) == [(f"{item}|all", a) for a in ("L", "L2", "R")]
     by = {b["bucket"]: b for b in table.calibration["buckets"]}
     assert set(by) == set(pick)
     r_rec = next(r for r in recs if r["action"] == "R")

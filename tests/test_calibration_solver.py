@@ -15,11 +15,57 @@ def B(name, stage="D", w=0.1, vl=0.0, vr=0.0, dl=0.01, dr=0.1):
     return BucketInput(name, stage, w, v={"L": vl, "R": vr}, d={"L": dl, "R": dr})
 
 
+def B4(name, stage="D", w=0.1, vl=0.0, vl2=0.0, vr=0.0, dl=0.01, dl2=0.05, dr=0.1):
+    return BucketInput(name, stage, w, v={"L": vl, "L2": vl2, "R": vr}, d={"L": dl, "L2": dl2, "R": dr})
+
+
 def test_monotone_envelope():
-    assert envelope({"L": 0.03, "R": 0.01}) == {"H": 0.0, "L": 0.03, "R": 0.03}
-    assert envelope({"L": 0.01, "R": 0.04}) == {"H": 0.0, "L": 0.01, "R": 0.04}
-    assert envelope({}) == {"H": 0.0, "L": math.inf, "R": math.inf}  # unmeasured = never allowed
-    assert envelope({"L": 0.2})["R"] == math.inf  # R unmeasured stays forbidden
+    inf = math.inf
+    assert envelope({"L": 0.03, "R": 0.01}) == {"H": 0.0, "L": 0.03, "L2": inf, "R": 0.03}
+    assert envelope({"L": 0.01, "R": 0.04}) == {"H": 0.0, "L": 0.01, "L2": inf, "R": 0.04}
+    assert envelope({}) == {"H": 0.0, "L": inf, "L2": inf, "R": inf}  # unmeasured = never allowed
+    assert envelope({"L": 0.2})["R"] == inf  # R unmeasured stays forbidden
+
+
+def test_four_action_envelope_chains_l_l2_r():
+    assert envelope({"L": 0.01, "L2": 0.03, "R": 0.02}) == {"H": 0.0, "L": 0.01, "L2": 0.03, "R": 0.03}
+    assert envelope({"L": 0.04, "L2": 0.0, "R": 0.0}) == {"H": 0.0, "L": 0.04, "L2": 0.04, "R": 0.04}
+    # L2 measured but R not: R stays forbidden; L2 unmeasured (three actions) leaves R at max(V(R), V(L))
+    assert envelope({"L": 0.0, "L2": 0.01})["R"] == math.inf
+    assert envelope({"L": 0.0, "R": 0.01})["R"] == 0.01
+
+
+def test_l2_floor_between_l_and_r():
+    sol = solve([B4("q", vl=0.0, vl2=0.03, vr=0.2)], target_b=1.0)
+    assert sol.floors["q"] == "L2"  # R breaks the tolerance, INT2 does not
+    sol = solve([B4("q", stage="P", vl=0.0, vl2=0.03, vr=0.2)], target_b=1.0)
+    assert sol.floors["q"] == "L"  # 3 pp > alpha_P
+
+
+def test_l2_upgrade_ranked_by_distortion_per_byte():
+    # floors R; the cheap R->L2 step (cost 0.1875 w) removes most of the distortion
+    sol = solve([B4("q", w=0.4, dl=0.01, dl2=0.02, dr=0.5)], target_b=0.08)
+    assert sol.actions == {"q": "L2"} and sol.expected_b == pytest.approx(0.4 * 0.1875)
+    assert [(u["from"], u["to"]) for u in sol.upgrades] == [("R", "L2")]
+    # more budget: the next step L2->L is taken too (R->L directly has a lower ratio than R->L2)
+    sol = solve([B4("q", w=0.4, dl=0.01, dl2=0.02, dr=0.5)], target_b=0.13)
+    assert sol.actions == {"q": "L"}
+    assert [(u["from"], u["to"]) for u in sol.upgrades] == [("R", "L2"), ("L2", "L")]
+
+
+def test_three_action_inputs_solve_as_before():
+    buckets = [B("a", w=0.3, dl=0.01, dr=0.4), B("b", w=0.2, vr=0.1, dl=0.02, dr=0.3)]
+    sol = solve(buckets, target_b=0.2)
+    assert "L2" not in sol.actions.values() and "L2" not in sol.floors.values()
+    assert all(u["to"] != "L2" for u in sol.upgrades)
+    assert sol.floors == {"a": "R", "b": "L"}
+
+
+def test_expected_b_counts_l2_cost():
+    buckets = [B("a", w=0.5), B("b", w=0.3)]
+    assert expected_b({"a": "L2", "b": "R"}, buckets) == pytest.approx(0.5 * 0.1875)
+    assert expected_b({"a": "L2", "b": "L2"}, buckets, l2_cost=0.1) == pytest.approx(0.08)
+    assert cost("L2") == 0.1875 and cost("L2", l2_cost=0.25) == 0.25
 
 
 def test_floor_is_cheapest_allowed_action():
@@ -110,10 +156,11 @@ def instances(draw):
             f"q{i}",
             draw(st.sampled_from("PD")),
             draw(st.floats(0.0, 0.2, allow_nan=False)),
-            v={"L": draw(_v), "R": draw(_v)},
-            d={"L": draw(_d), "R": draw(_d)},
+            v={"L": draw(_v), "R": draw(_v), **({"L2": draw(_v)} if four else {})},
+            d={"L": draw(_d), "R": draw(_d), **({"L2": draw(_d)} if four else {})},
         )
         for i in range(n)
+        for four in [draw(st.booleans())]
     ]
     base = draw(st.floats(0.0, 0.2, allow_nan=False))
     target = draw(st.floats(0.0, 1.0, allow_nan=False))
@@ -136,6 +183,10 @@ def test_solver_properties(inst):
         cheaper = ORDER[: ORDER.index(sol.floors[name])]
         assert all(sol.v_eff[name][a] > alpha for a in cheaper)
         assert sol.v_eff[name]["R"] >= sol.v_eff[name]["L"]  # monotone
+        if "L2" in b.v:
+            assert sol.v_eff[name]["R"] >= sol.v_eff[name]["L2"] >= sol.v_eff[name]["L"]
+        else:
+            assert act != "L2" and sol.floors[name] != "L2"
     assert sol.expected_b == pytest.approx(expected_b(sol.actions, buckets, base))
     if sol.feasible:
         assert sol.expected_b <= target + 1e-9

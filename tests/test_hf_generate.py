@@ -171,7 +171,7 @@ def test_a_policy_object_is_accepted(smol):
     from pask.policies.kivi import KIVIPolicy
 
     kv = kv_policy(smol.model, KIVIPolicy(0.5, bits=2))
-    assert isinstance(kv, KVPolicy) and kv.config.low_bits == 2 and kv.policy_name == "kivi-2"
+    assert isinstance(kv, KVPolicy) and kv.policy_name == "kivi-2"
     with pytest.raises(PaskError, match="constructor"):
         kv_policy(smol.model, KIVIPolicy(0.5), budget=0.5)
     with pytest.raises(PaskError, match="prefill_actions"):

@@ -63,12 +63,12 @@ def value_roundtrip(v: torch.Tensor, bits: int = 4) -> torch.Tensor:
     return dequantize_codes(codes, scale, zero)
 
 
-def filled_cache(n: int, window: int = 8, seed: int = 0, bits: int = 4):
+def filled_cache(n: int, window: int = 8, seed: int = 0):
     """One-layer cache holding random K/V for ``n`` positions (returned too)."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(HKV, n, D, generator=g) * 2
     v = torch.randn(HKV, n, D, generator=g)
-    cfg = CacheConfig(num_groups=1, recent_window=window, dequant_block=64, low_bits=bits)
+    cfg = CacheConfig(num_groups=1, recent_window=window, dequant_block=64)
     cache = TieredCache(tiny_config(1), cfg, 1)
     cache.update(k[None], v[None], 0)
     return cache, k, v
@@ -99,11 +99,11 @@ def test_int4_only_equals_attention_over_dequantised():
 
 
 def test_int2_tier_equals_attention_over_dequantised_and_holds_a_quarter_byte_per_value():
-    cache, k, v = filled_cache(700, bits=2)
+    cache, k, v = filled_cache(700)
     st = cache.layers[0].seqs[0]
-    cache.apply(0, 0, torch.arange(100), Action.L)  # two writes: the balance is fixed at the first
-    cache.apply(0, 0, torch.arange(100, 692), Action.L)
-    assert st.bits == 2 and st.l.n == 692 and st.l.t["kq"].shape[-1] == D // 4
+    cache.apply(0, 0, torch.arange(100), Action.L2)  # two writes: the balance is fixed at the first
+    cache.apply(0, 0, torch.arange(100, 692), Action.L2)
+    assert st.l.n == 0 and st.l.t == {} and st.l2.n == 692 and st.l2.t["kq"].shape[-1] == D // 4
     kd, vd = k.clone(), v.clone()
     kd[:, :692] = key_roundtrip(k[:, :692], k, bits=2)
     vd[:, :692] = value_roundtrip(v[:, :692], bits=2)
@@ -113,28 +113,25 @@ def test_int2_tier_equals_attention_over_dequantised_and_holds_a_quarter_byte_pe
     # measured bytes: 692 INT2 tokens (codes + bf16 scale/zero) + 8 H tokens (fp32 here) + the key balance
     per_token = 2 * HKV * (D // 4 + 4 * D // 32)
     assert cache.held_bytes() == 692 * per_token + 8 * 2 * HKV * D * 4 + st.balance_bytes()
-    # an INT2 store is never handed to the INT4-only native kernels
-    from pask.kv import native_attention
-
-    assert not native_attention.move_applies([st])
 
 
 def test_int2_and_int4_tiers_differ_in_error_as_expected():
     """INT2's error is several times INT4's on the same keys (its 3 levels vs 15)."""
     errs = {}
     for bits in (2, 4):
-        cache, k, _ = filled_cache(300, bits=bits)
-        cache.apply(0, 0, torch.arange(292), Action.L)
-        kd, _ = cache.layers[0].seqs[0].low_kv()
+        cache, k, _ = filled_cache(300)
+        cache.apply(0, 0, torch.arange(292), Action.L if bits == 4 else Action.L2)
+        kd, _ = cache.layers[0].seqs[0].low_kv(bits=bits)
         errs[bits] = float((kd - k[:, :292]).norm() / k[:, :292].norm())
     assert 3 * errs[4] < errs[2] < 1.0, errs
 
 
-def test_bad_low_bits_config_raises():
+def test_bad_low_bits_raise():
     from pask.errors import PaskError
 
+    cache, _, _ = filled_cache(100)
     with pytest.raises(PaskError, match="2 or 4 bits"):
-        CacheConfig(low_bits=3)
+        cache.layers[0].seqs[0].low(3)
 
 
 def test_mixed_tiers_and_multi_token_extend_are_causal():

@@ -17,20 +17,25 @@ from pask.kv.cache import attention_config
 
 
 def _layer(hkv, grp, d, lengths, mixes, seed=0, key_scale=1.0, window=4, bits=4):
-    """A one-layer bf16 cache with one row per length, tiers drawn from each row's (H, L, R) mix."""
+    """A one-layer bf16 cache with one row per length, tiers drawn from each row's mix: (H, low, R)
+    with the low share at ``bits`` (4: INT4, 2: INT2), or (H, INT4, INT2, R)."""
     gen = torch.Generator().manual_seed(seed)
     n = max(lengths)
-    cfg = CacheConfig(num_groups=1, recent_window=window, low_bits=bits)
+    cfg = CacheConfig(num_groups=1, recent_window=window)
     cache = TieredCache(attention_config(hkv, grp, d), cfg, len(lengths))
     cache.begin_prefill([n - x for x in lengths])
     k = (torch.randn(len(lengths), hkv, n, d, generator=gen) * key_scale).to(torch.bfloat16)
     v = torch.randn(len(lengths), hkv, n, d, generator=gen).to(torch.bfloat16)
     cache.update(k, v, 0)
-    for row, (length, (ph, pl, _)) in enumerate(zip(lengths, mixes, strict=True)):
+    for row, (length, mix) in enumerate(zip(lengths, mixes, strict=True)):
+        shares = (mix[0], mix[1], 0.0) if len(mix) == 3 and bits == 4 else (mix[0], 0.0, mix[1])
+        if len(mix) == 4:
+            shares = mix[:3]
+        edges = torch.tensor(shares).cumsum(0)
         u = torch.rand(max(0, length - window), generator=gen)
-        tier = torch.where(u < ph, 0, torch.where(u < ph + pl, 1, 2))
-        for a in (Action.L, Action.R):
-            cache.apply(row, 0, torch.nonzero(tier == int(a)).flatten(), a)
+        tier = torch.bucketize(u, edges, right=True)  # 0 H, 1 INT4, 2 INT2, 3 R
+        for i, a in ((1, Action.L), (2, Action.L2), (3, Action.R)):
+            cache.apply(row, 0, torch.nonzero(tier == i).flatten(), a)
     return cache, cache.layers[0]
 
 
@@ -63,10 +68,13 @@ def test_kernel_builds_where_a_compiler_exists():
     lengths=st.lists(st.integers(1, 300), min_size=1, max_size=3),
     mix=st.sampled_from([(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.34, 0.33, 0.33), (0.0, 0.5, 0.5), (0.0, 0.0, 1.0)]),
     seed=st.integers(0, 2**16),
-    bits=st.sampled_from([4, 2]),
+    bits=st.sampled_from([4, 2, 3]),
 )
 def test_matches_reference_on_random_tiers(native, shape, lengths, mix, seed, bits):
-    """INT4 and INT2 L tiers (the INT2 tier token-major, scored one token at a time)."""
+    """INT4 and INT2 tiers (the INT2 tier token-major, scored one token at a time), alone and
+    (``bits=3``: the low share split between them) all three streams in one softmax."""
+    if bits == 3:
+        mix = (mix[0], mix[1] / 2, mix[1] / 2, mix[2])
     hkv, grp, d = shape
     _, layer = _layer(hkv, grp, d, lengths, [mix] * len(lengths), seed=seed, bits=bits)
     q = torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
@@ -204,10 +212,10 @@ def test_compile_error_is_reported(monkeypatch, tmp_path):
 
 def _tiers(store) -> dict:
     out = {f"h.{k}": store.h.parts[k].live(store.h.t[k], store.h.n) for k in ("k", "v")} if store.h.n else {}
-    if store.l.n:
-        n = store.l.n
-        out.update({f"l.{k}": store.l.parts[k].live(store.l.t[k], n) for k in ("ksz", "vq", "vs", "vz")})
-        out["l.kq"] = store.l.parts["kq"].read(store.l.t["kq"], torch.arange(n))
+    for name, t in (("l", store.l), ("l2", store.l2)):
+        if t.n:
+            out.update({f"{name}.{k}": t.parts[k].live(t.t[k], t.n) for k in ("ksz", "vq", "vs", "vz")})
+            out[f"{name}.kq"] = t.parts["kq"].read(t.t["kq"], torch.arange(t.n))
     return out
 
 
@@ -237,17 +245,18 @@ def test_single_token_low_move_is_bit_exact_with_the_python_path(native, seed, d
         k[..., :32] = 0.5
         v[..., 32:64] = -2.0
     order = torch.randperm(n - window, generator=gen)[:90].tolist()
-    acts = [Action.L if i % 3 else Action.R for i in range(len(order))]
+    low = Action.L if bits == 4 else Action.L2
+    acts = [low if i % 3 else Action.R for i in range(len(order))]
     stores = []
     for use_native in (True, False):
-        cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native, low_bits=bits)
+        cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native)
         cache = TieredCache(attention_config(2, 3, d), cfg, 1)
         cache.update(k, v, 0)
-        cache.apply(0, 0, torch.tensor(order[:10]), Action.L)  # the prefill-time batch fixes the key balance
+        cache.apply(0, 0, torch.tensor(order[:10]), low)  # the prefill-time batch fixes the key balance
         for p, a in zip(order[10:], acts[10:], strict=True):
             cache.apply(0, 0, p, a)
         stores.append(cache.layers[0].seqs[0])
-    assert na.move_applies([stores[0]]) and stores[0].bits == bits  # the native mover served the first cache
+    assert na.move_applies([stores[0]], bits)  # the native mover served the first cache
     _assert_same_tiers(*stores)
 
 
@@ -276,7 +285,7 @@ def test_single_position_errors_match_the_batch_path():
     lengths=st.lists(st.integers(1, 200), min_size=1, max_size=3),
     mix=st.tuples(st.floats(0, 1), st.floats(0, 1)),
     seed=st.integers(0, 2**16),
-    bits=st.sampled_from([4, 2]),
+    bits=st.sampled_from([4, 2, 3]),
 )
 def test_step_weights_match_the_explicit_softmax(native, shape, lengths, mix, seed, bits):
     """The kernel's step attention (softmax weights averaged per kv head, H slots then L slots)
@@ -285,15 +294,17 @@ def test_step_weights_match_the_explicit_softmax(native, shape, lengths, mix, se
 
     hkv, grp, d = shape
     ph = mix[0]
-    _, layer = _layer(hkv, grp, d, lengths, [(ph, (1 - ph) * mix[1], 0)] * len(lengths), seed=seed, bits=bits)
+    rest = (1 - ph) * mix[1]
+    mixes = [(ph, rest, 0) if bits != 3 else (ph, rest / 2, rest / 2, 0)] * len(lengths)
+    _, layer = _layer(hkv, grp, d, lengths, mixes, seed=seed, bits=bits)
     q = torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     scaling = d**-0.5
     out, probs = native.decode_layer(layer, q, scaling, weights=True)
     assert torch.equal(out, native.decode_layer(layer, q, scaling))
     for b, store in enumerate(layer.seqs):
-        pos_h, pos_l = layer.positions(b, Action.H), layer.positions(b, Action.L)
-        _, ref, _, _ = explicit_decode(q[b], store, scaling, pos_h, pos_l)
-        assert probs[b].shape == ref.shape == (hkv, store.h.n + store.l.n)
+        pos_h, pos_l, pos_l2 = (layer.positions(b, a) for a in (Action.H, Action.L, Action.L2))
+        _, ref, _, _ = explicit_decode(q[b], store, scaling, pos_h, pos_l, None, pos_l2)
+        assert probs[b].shape == ref.shape == (hkv, store.h.n + store.l.n + store.l2.n)
         torch.testing.assert_close(probs[b], ref, atol=2e-6, rtol=1e-4)
         torch.testing.assert_close(probs[b].sum(-1), torch.ones(hkv), atol=1e-5, rtol=0)
 
@@ -417,12 +428,13 @@ def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, sca
     na.quantize_low = lambda *a: served.append(real(*a)) or served[-1]
     try:
         for use_native in (True, False):
-            cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native, low_bits=bits)
+            cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native)
             cache = TieredCache(attention_config(2, 3, d), cfg, 1)
             cache.update(k, v, 0)
+            low = Action.L if bits == 4 else Action.L2
             for i, batch in enumerate(batches):
                 if batch:
-                    cache.apply(0, 0, torch.tensor(batch), Action.R if i == 1 and len(batch) > 3 else Action.L)
+                    cache.apply(0, 0, torch.tensor(batch), Action.R if i == 1 and len(batch) > 3 else low)
             stores.append(cache.layers[0].seqs[0])
     finally:
         na.quantize_low = real

@@ -35,7 +35,7 @@ from pask.policies.base import PolicyBase
 from pask.policies.rocketkv import hsa_scores
 from pask.runtime.runner import decode_with_policy
 
-H, L, R = int(Action.H), int(Action.L), int(Action.R)
+H, L, R, L2 = int(Action.H), int(Action.L), int(Action.R), int(Action.L2)
 BUDGETS = (0.5, 0.33)
 NEW_TOKENS = 24
 
@@ -49,6 +49,7 @@ DEFAULT_CONFIGS = {
     "lazyeviction": {"window": 16, "alpha": 1e-3},
     "kivi-4": {},
     "kivi-2": {},
+    "kivi-mix": {},
 }
 
 
@@ -72,7 +73,7 @@ class PerRow(PolicyBase):
         self.policies = policies
         self.name = policies[0].name
         self.budget = policies[0].budget
-        for attr in ("prefill_window", "prefill_value_norm", "step_attention", "step_scorer", "low_bits"):
+        for attr in ("prefill_window", "prefill_value_norm", "step_attention", "step_scorer"):
             if hasattr(policies[0], attr):
                 setattr(self, attr, getattr(policies[0], attr))
         self.prev: dict[int, int] = {}
@@ -124,16 +125,18 @@ def test_policy_end_to_end_meets_budget(smol, prompts, name):
         for g in range(len(cache.groups)):
             tiers = cache.tiers(row, g)
             assert bool((tiers[n - cache.config.recent_window :] == H).all())
-            if name in ("mikv", "kivi-4", "kivi-2"):
+            if name in ("mikv", "kivi-4", "kivi-2", "kivi-mix"):
                 assert not bool((tiers == R).any()), "mixed precision above the INT4 cost releases nothing"
-                assert bool((tiers == L).any())
+                assert bool((tiers == (L2 if name == "kivi-2" else L)).any())
+                assert not bool((tiers == (L if name == "kivi-2" else L2)).any())
             else:
-                assert not bool((tiers == L).any())
-    bits = 2 if name == "kivi-2" else 4
-    assert cache.config.low_bits == bits
+                assert not bool((tiers == L).any()) and not bool((tiers == L2).any())
     st = cache.layers[0].seqs[0]
     d = cache.spec.head_dim
-    assert st.bits == bits and st.l.slot_bytes() == 2 * cache.spec.num_kv_heads * (d * bits // 8 + 4 * d // 32)
+    for bits in (4, 2):  # both low tiers exist in every cache; a slot is codes + bf16 scale and zero
+        assert st.low(bits).slot_bytes() == 2 * cache.spec.num_kv_heads * (d * bits // 8 + 4 * d // 32)
+    if name in ("mikv", "kivi-4", "kivi-2", "kivi-mix"):
+        assert st.low(2 if name == "kivi-2" else 4).n
     cache.compact()
     assert cache.allocated_bytes() < cache.full_bytes()
 
@@ -224,8 +227,8 @@ def test_window_attention_and_explicit_decode_match_naive():
 class FakeSeq:
     """Tiers of one sequence over ``groups`` groups of one layer each, with the cache's action rules."""
 
-    def __init__(self, prompt_len: int, groups: int = 1, window: int = 2, cost: float = 0.3125):
-        self.p, self.window, self.cost = prompt_len, window, cost
+    def __init__(self, prompt_len: int, groups: int = 1, window: int = 2, cost: float = 0.3125, cost2: float = 0.1875):
+        self.p, self.window, self.cost, self.cost2 = prompt_len, window, cost, cost2
         self.tiers = torch.zeros(groups, prompt_len, dtype=torch.int8)
 
     @property
@@ -243,6 +246,7 @@ class FakeSeq:
             leaving=torch.arange(0),
             groups=layer_groups(g, g),
             int4_cost=self.cost,
+            int2_cost=self.cost2,
             tier_fn=lambda: self.tiers.clone(),
             **stats,
         )
@@ -263,7 +267,7 @@ class FakeSeq:
 
     def budget(self) -> float:
         t = self.tiers.float()
-        return float(((t == H).sum() + self.cost * (t == L).sum()) / t.numel())
+        return float(((t == H).sum() + self.cost * (t == L).sum() + self.cost2 * (t == L2).sum()) / t.numel())
 
 
 def per_layer(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
@@ -386,18 +390,48 @@ def test_kivi_quantises_everything_outside_the_residual_and_releases_nothing():
     assert seq.where(H) == {38, 39} and seq.where(R) == set()
 
 
-def test_kivi2_sizes_its_residual_by_the_int2_cost_and_asks_for_a_2bit_cache():
+def test_kivi2_sizes_its_residual_by_the_int2_cost_and_takes_the_int2_tier():
     pol = get_policy("kivi-2", budget=0.25)
-    assert pol.name == "kivi-2" and pol.low_bits == 2 and get_policy("kivi-4", budget=0.4).low_bits == 4
-    seq = FakeSeq(40, window=2, cost=0.1875)  # INT2 over BF16 at D = 64, g = 32
+    assert pol.name == "kivi-2"
+    seq = FakeSeq(40, window=2)  # INT2 costs 0.1875 of BF16 at D = 64, g = 32
     seq.apply(pol.prefill_actions(seq.ctx()))
     residual = round((0.25 - 0.1875) / 0.8125 * 40)  # 3 newest tokens stay H (INT4 could not reach 0.25)
     assert seq.where(H) == set(range(40 - residual, 40)) and seq.where(R) == set()
+    assert seq.where(L2) == set(range(40 - residual)) and seq.where(L) == set()
     assert abs(seq.budget() - 0.25) <= 0.02
-    from pask.kv.cache import CacheConfig, config_for
 
-    assert config_for(pol).low_bits == 2 and config_for(pol, CacheConfig(recent_window=4)).recent_window == 4
-    assert config_for(get_policy("snapkv", budget=0.5)).low_bits == 4
+
+@pytest.mark.parametrize(
+    ("budget", "order", "int2"),
+    [
+        (0.33, "last", []),
+        (0.29, "last", [3]),
+        (0.26, "last", [2, 3]),
+        (0.26, "first", [0, 1]),
+        (0.1, "last", [0, 1, 2, 3]),
+    ],
+)
+def test_kivi_mix_gives_int2_to_the_fewest_groups_that_reach_the_budget(budget, order, int2):
+    pol = get_policy("kivi-mix", budget=budget, int2_groups=order)
+    seq = FakeSeq(200, groups=4, window=2)
+    seq.apply(pol.prefill_actions(seq.ctx()))
+    for g in range(4):
+        low = seq.where(L2 if g in int2 else L, g)
+        assert low and not seq.where(L if g in int2 else L2, g) and not seq.where(R, g)
+    floor = ((4 - len(int2)) * 0.3125 + len(int2) * 0.1875) / 4
+    assert abs(seq.budget() - max(budget, floor)) <= 0.02
+    with pytest.raises(PaskError, match="int2_groups"):
+        get_policy("kivi-mix", budget=0.3, int2_groups="middle")
+
+
+def test_mikv_at_two_bits_keeps_the_rest_in_int2():
+    seq = FakeSeq(100, window=2)
+    pol = get_policy("mikv", budget=0.3, bits=2)
+    seq.apply(pol.prefill_actions(seq.ctx(prefill_attention=per_layer(torch.rand(100)))))
+    assert seq.where(L) == set() and seq.where(R) == set() and seq.where(L2)
+    assert abs(seq.budget() - 0.3) <= 0.02
+    with pytest.raises(PaskError, match="bits"):
+        get_policy("mikv", budget=0.3, bits=3)
 
 
 def test_rocketkv_stage1_max_pool_and_stage2_hsa_topk():
@@ -444,7 +478,7 @@ def test_unknown_policy_and_unknown_or_bad_config_keys_are_clear_errors():
     with pytest.raises(PaskError, match="odd"):
         get_policy("rocketkv", budget=0.5, kernel=64)
     with pytest.raises(PaskError, match="bits"):
-        get_policy("mikv", budget=0.5, bits=2)
+        get_policy("mikv", budget=0.5, bits=8)
     with pytest.raises(PaskError, match="alpha"):
         get_policy("lazyeviction", budget=0.5, alpha=0.0)
     assert get_policy("kivi", budget=0.4).name == "kivi-4"

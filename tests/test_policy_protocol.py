@@ -71,7 +71,6 @@ def test_every_registered_policy_has_the_protocol_members(name, budget):
         assert p.budget == pytest.approx(budget) and p.target_b == pytest.approx(budget)
     assert 0 < p.target_b <= 1 and policy_target_b(p) == p.target_b
     assert p.needs_tags is (name == "pask")
-    assert p.low_bits == {"kivi-2": 2, "kivi-4": 4}.get(name)
     assert isinstance(p.prefill_window, int) and isinstance(p.prefill_value_norm, bool)
     assert isinstance(p.step_attention, bool)
     assert p.step_scorer is None or callable(p.step_scorer)
@@ -103,7 +102,7 @@ def test_timed_policy_is_a_policy():
     t = TimedPolicy(inner, _Clock())
     assert isinstance(t, Policy)
     assert (t.name, t.budget, t.target_b, t.step_attention) == ("h2o", 0.3, 0.3, True)
-    assert t.prefill_window == inner.prefill_window and t.low_bits is None and not t.needs_tags
+    assert t.prefill_window == inner.prefill_window and not t.needs_tags
     pask = TimedPolicy(PaskPolicy(_table()), _Clock())
     assert pask.needs_tags and pask.table.target_b == 0.4  # other attributes still pass through
     row = _Row(0, 20, seed=1)

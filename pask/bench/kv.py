@@ -193,9 +193,7 @@ def bench_kv(
                 "head_dim": spec.head_dim,
             },
             "mix_h_l_r": list(mix),
-            "int4_ratio": CostModel(
-                spec.head_dim, cache_config.quant_group, torch.bfloat16, cache_config.low_bits
-            ).l_ratio,
+            "int4_ratio": CostModel(spec.head_dim, cache_config.quant_group, torch.bfloat16).l_ratio,
             "threads": threads,
             "repeats": repeats,
             "torch": torch.__version__,

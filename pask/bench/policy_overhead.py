@@ -53,7 +53,6 @@ class TimedPolicy:
     budget = _through("budget")
     target_b = _through("target_b")
     needs_tags = _through("needs_tags")
-    low_bits = _through("low_bits")
     prefill_window = _through("prefill_window")
     prefill_value_norm = _through("prefill_value_norm")
     step_attention = _through("step_attention")

@@ -390,7 +390,7 @@ def _row_bytes(cache, row: int | None) -> int:
     for layer in cache.layers:
         st = layer.seqs[row] if layer.is_initialized and row < len(layer.seqs) else None
         if st is not None:
-            total += st.h.allocated_bytes() + st.l.allocated_bytes() + st.balance_bytes()
+            total += st.allocated_bytes()
     return total
 
 

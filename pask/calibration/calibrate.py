@@ -10,7 +10,8 @@
 
 Every step resumes: a rerun with the same arguments recomputes nothing that finished (the
 solver and the report are recomputed, they take milliseconds). Candidates = every measured
-bucket x {L, R}; with G layer groups and I items that is 2 G I runs of the calibration split
+bucket x the probed actions (``actions``: L, L2 and R by default, L and R for a three-action
+table); with G layer groups, I items and A actions that is A G I runs of the calibration split
 for V and as many teacher-forced replays for D.
 """
 
@@ -38,6 +39,18 @@ from pask.policies.pask import PaskPolicy
 from pask.policies.table import FrozenTable
 
 Progress = Callable[[str, int, int], None]  # (phase, advance, total)
+
+#: The lossy actions a calibration probes by default: INT4, INT2 and release (four-action tables).
+PROBE_ACTIONS = ("L", "L2", "R")
+
+
+def check_probe_actions(actions) -> tuple[str, ...]:
+    """``actions`` in harm order (``L``, ``L2``, ``R``), checked: a non-empty subset holding ``L``."""
+    given = tuple(actions)
+    bad = [a for a in given if a not in PROBE_ACTIONS]
+    if bad or "L" not in given or len(set(given)) != len(given):
+        raise PaskError(f"calibration actions must be distinct, among L, L2, R and include L; got {list(given)}")
+    return tuple(a for a in PROBE_ACTIONS if a in given)
 
 
 def work_dir_for(out: Path) -> Path:
@@ -76,6 +89,7 @@ def calibrate(
     distortion_batches: int | None = None,
     probe_cases: int | None = None,
     distortion_scope: str = "all",
+    actions: tuple[str, ...] = PROBE_ACTIONS,
 ) -> FrozenTable:
     """Calibrate a PASK table for ``lm`` on ``task``/``split`` under total budget ``budget``; see the module doc.
 
@@ -98,8 +112,12 @@ def calibrate(
     ``distortion_scope``: ``"all"`` measures D for every candidate (the report's Table 16 compares
     all of them); ``"allowed"`` only for the actions at or above each bucket's floor, the only D
     values the solver reads (re-solving at other tolerances measures what they add).
+
+    ``actions``: the lossy actions probed, a subset of ``("L", "L2", "R")`` holding ``"L"``;
+    ``("L", "R")`` gives the three-action table (BF16 / INT4 / release) of the paper.
     """
     check_budget(budget, "--budget")
+    actions = check_probe_actions(actions)
     out = Path(out)
     cases, cats = _cases(task, split, categories, limit)
     hooks = get_task(task)
@@ -133,7 +151,7 @@ def calibrate(
     plan = plan_buckets(control.rows, lm.num_layers, num_groups, recent_window, min_share, buckets)
     (work / "buckets.json").write_text(json.dumps(plan.to_json(), indent=2) + "\n")
     probes = plan.pooled() if pool_groups else [name for name, *_ in plan.buckets()]
-    candidates = [(name, a) for name in probes for a in ("L", "R")]
+    candidates = [(name, a) for name in probes for a in actions]
 
     n_pool = control.summary["overall"]["n"]
     if probe_cases is None:
@@ -157,9 +175,9 @@ def calibrate(
     if distortion_scope == "allowed":  # only the D values the solver reads: actions at or above the floor
         allowed = set()
         for name, it, _, _ in plan.buckets():
-            v = {a: v_recs[(probe_of(name), a)]["v"] for a in ("L", "R") if (probe_of(name), a) in v_recs}
+            v = {a: v_recs[(probe_of(name), a)]["v"] for a in actions if (probe_of(name), a) in v_recs}
             floor = floor_action(envelope(v), eff_p if it.stage == "P" else eff_d)
-            allowed |= {(probe_of(name), a) for a in ("R", "L") if ORDER.index(a) >= ORDER.index(floor)}
+            allowed |= {(probe_of(name), a) for a in actions if ORDER.index(a) >= ORDER.index(floor)}
         d_candidates = [c for c in candidates if c in allowed]
     elif distortion_scope != "all":
         raise PaskError(f"distortion scope must be 'all' or 'allowed', got {distortion_scope!r}")
@@ -186,17 +204,18 @@ def calibrate(
             name,
             it.stage,
             w,
-            v={a: v_recs[(probe_of(name), a)]["v"] for a in ("L", "R") if (probe_of(name), a) in v_recs},
-            d={a: d_of(name, g, a) for a in ("L", "R") if (probe_of(name), a) in d_recs},
+            v={a: v_recs[(probe_of(name), a)]["v"] for a in actions if (probe_of(name), a) in v_recs},
+            d={a: d_of(name, g, a) for a in actions if (probe_of(name), a) in d_recs},
         )
         for name, it, g, w in plan.buckets()
     ]
     default = "H"
     spec = attention_spec(lm.model.config, cache_config.quant_group)
-    l_cost = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype).l_ratio  # 0.3125 in bf16
-    base_b = plan.window_share + plan.base_share() * cost(default, l_cost)
-    sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost)
-    actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
+    costs = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype)
+    l_cost, l2_cost = costs.l_ratio, costs.l2_ratio  # 0.3125 and 0.1875 in bf16 at head_dim 64
+    base_b = plan.window_share + plan.base_share() * cost(default, l_cost, l2_cost)
+    sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost, l2_cost)
+    table_actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
     meta = {
         "split": split,
         "categories": cats,
@@ -217,6 +236,8 @@ def calibrate(
         "alpha_d_effective": eff_d,
         "alpha_p_effective": eff_p,
         "l_cost": l_cost,
+        "l2_cost": l2_cost,
+        "actions": ["H", *actions],
         "control_accuracy": control.accuracy,
         "control_wall_s": round(control.wall_s, 1),
         "sensitivity_wall_s": round(sum(r["wall_s"] for r in v_recs.values()), 1),
@@ -250,7 +271,7 @@ def calibrate(
         "upgrades": sol.upgrades,
     }
     table = FrozenTable(
-        actions=actions,
+        actions=table_actions,
         fingerprint=lm.fingerprint,
         model_name=lm.name,
         task=task,
@@ -378,9 +399,11 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
         lines.append("")
     lines += ["## Sensitivity vs distortion (Table 16 layout)", ""]
     lines += ["| Action | Model-side score | Recall @20% | Mismatch 20,50 | buckets |", "|---|---|---:|---:|---:|"]
-    for a, label in (("R", "Release $R$"), ("L", "Retain-low $L$")):
+    for a, label in (("R", "Release $R$"), ("L2", "Retain-INT2 $L_2$"), ("L", "Retain-low $L$")):
         v = {b["bucket"]: sol.v_eff[b["bucket"]][a] for b in meta["buckets"] if a in b["V"]}
         d = {b["bucket"]: sol.d_eff[b["bucket"]][a] for b in meta["buckets"] if a in b["D"]}
+        if not v:  # not probed (a three-action calibration has no L2 row)
+            continue
         m = mismatch_stats(v, d)
         lines.append(f"| {label} | $D(q,{a})$ | {_p(m['recall'])} | {_p(m['mismatch'])} | {m['n']} |")
     lines += [
@@ -399,14 +422,15 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
         f"Window share {plan.window_share:.4f}; unmeasured share {plan.base_share():.4f} "
         f"(default {table.default_action}); skipped: {', '.join(s['name'] for s in plan.skipped) or 'none'}.",
         "",
-        "| bucket | weight | V(L) | V(R) | Veff(R) | D(L) | D(R) | floor | action |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| bucket | weight | V(L) | V(L2) | V(R) | Veff(R) | D(L) | D(L2) | D(R) | floor | action |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for b in meta["buckets"]:
         name = _md(b["bucket"])
+        v, d = b["V"], b["D"]
         lines.append(
-            f"| `{name}` | {b['weight']:.4f} | {_f(b['V'].get('L'))} | {_f(b['V'].get('R'))} | "
-            f"{_f(b['V_eff'].get('R'))} | {_f(b['D'].get('L'))} | {_f(b['D'].get('R'))} | "
+            f"| `{name}` | {b['weight']:.4f} | {_f(v.get('L'))} | {_f(v.get('L2'))} | {_f(v.get('R'))} | "
+            f"{_f(b['V_eff'].get('R'))} | {_f(d.get('L'))} | {_f(d.get('L2'))} | {_f(d.get('R'))} | "
             f"{b['floor']} | {b['action']} |"
         )
     lines += ["", "## Upgrades (in order)", ""]

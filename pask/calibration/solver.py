@@ -5,30 +5,35 @@ Inputs, per bucket ``q`` (a structure item in one layer group):
 - ``weight`` w_q: the expected share of a case's KV bytes that the bucket's tokens hold when
   kept H: (mean over cases of the bucket item's tokens outside the final recent window / all
   stored tokens of the case) x (layers in the group / all layers).
-- ``v[a]``: task sensitivity V(q, a) for a in {L, R}: accuracy drop (fraction, 0.05 = 5 pp) of
+- ``v[a]``: task sensitivity V(q, a) for a in {L, L2, R}: accuracy drop (fraction, 0.05 = 5 pp) of
   the all-H run when only ``q`` gets ``a``. Missing = not measured = +inf.
 - ``d[a]``: attention-output distortion D(q, a) (relative L2). Missing = +inf.
 - ``stage``: ``"P"`` (prompt bucket, tolerance alpha_P) or ``"D"`` (decode bucket, alpha_D).
 
 ``base_b`` is the cost of everything outside the buckets: tokens in the recent window (always
 H) plus tokens of unmeasured buckets at the table's default action. The expected budget of a
-table is ``B = base_b + sum_q w_q * cost(action_q)`` with cost H = 1, L = ``l_cost`` (0.3125),
-R = 0 -- the same cost model the cache measures.
+table is ``B = base_b + sum_q w_q * cost(action_q)`` with cost H = 1, L (INT4) = ``l_cost`` (0.3125),
+L2 (INT2) = ``l2_cost`` (0.1875), R = 0 -- the same cost model the cache measures.
 
 Rules (exact):
 
-1. Monotone envelope: ``Veff(q, L) = V(q, L)``; ``Veff(q, R) = max(V(q, R), V(q, L))``
-   (releasing is at least as harmful as INT4). ``Veff(q, H) = 0``. Distortion gets the same
-   envelope: ``Deff(q, L) = D(q, L)``, ``Deff(q, R) = max(D(q, R), D(q, L))``, ``Deff(q, H) = 0``.
+1. Monotone envelope over harm ``H <= L <= L2 <= R`` (release at least as harmful as INT2, INT2
+   at least as harmful as INT4): ``Veff(q, H) = 0``, ``Veff(q, L) = V(q, L)``,
+   ``Veff(q, L2) = max(V(q, L2), V(q, L))``, ``Veff(q, R) = max(V(q, R), Veff(q, L2))``. Distortion
+   gets the same envelope. An unmeasured L2 (a three-action calibration: ``v`` has no ``"L2"``)
+   is +inf for L2 itself -- never chosen -- but does not raise R's envelope, so a three-action
+   input solves exactly as it did before INT2 existed. An unmeasured L or R is +inf and, for L,
+   raises everything more harmful.
 2. Floor: the cheapest action ``a`` with ``Veff(q, a) <= alpha`` (alpha = alpha_P for prompt
-   buckets, alpha_D for decode buckets). By (1) the allowed actions are "floor and everything
-   dearer", so R allowed implies L allowed.
+   buckets, alpha_D for decode buckets). By (1) the allowed actions are "floor and every measured
+   action dearer", so R allowed implies L allowed (and L2, when measured).
 3. Start from the floor table. If its B already exceeds ``target_b``, the target is infeasible
    under the tolerances: the floor table is returned with ``feasible = False`` (the floors are
    never broken to meet a budget) and ``needs`` gives, per stage, the smallest tolerance of that
    stage (the other kept) under which the floors fit the target (None: no tolerance does).
 4. Otherwise upgrade greedily while B stays <= ``target_b``: among every single upgrade of one
-   bucket from its current action to a dearer one (R->L, R->H, L->H) whose added cost
+   bucket from its current action to a dearer one along ``R -> L2 -> L -> H`` (any jump, e.g.
+   R->L or L2->H) whose added cost
    ``w_q * (cost(new) - cost(cur))`` still fits, take the one with the largest distortion
    reduction per unit cost ``(Deff(q, cur) - Deff(q, new)) / added cost``; ties go to the larger
    reduction, then to the smaller bucket name. Only upgrades that reduce distortion
@@ -43,7 +48,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 L_COST = 0.3125
-ORDER = ("R", "L", "H")  # cheapest first
+L2_COST = 0.1875
+ORDER = ("R", "L2", "L", "H")  # cheapest first
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,13 @@ class Solution:
             state += "; it fits with " + (" or ".join(fits) if fits else "no tolerance of one stage")
         return (
             f"target B {self.target_b:.4f}, floors B {self.floor_b:.4f}, expected B {self.expected_b:.4f} ({state}); "
-            f"buckets H/L/R = {n['H']}/{n['L']}/{n['R']}, {len(self.upgrades)} upgrades"
+            f"buckets H/L/L2/R = {n['H']}/{n['L']}/{n['L2']}/{n['R']}, {len(self.upgrades)} upgrades"
         )
 
 
-def cost(action: str, l_cost: float = L_COST) -> float:
-    return {"H": 1.0, "L": l_cost, "R": 0.0}[action]
+def cost(action: str, l_cost: float = L_COST, l2_cost: float = L2_COST) -> float:
+    """Bytes of ``action`` as a share of H's."""
+    return {"H": 1.0, "L": l_cost, "L2": l2_cost, "R": 0.0}[action]
 
 
 def _num(x: float | None) -> float:
@@ -99,24 +106,31 @@ def _num(x: float | None) -> float:
 
 
 def envelope(values: dict[str, float]) -> dict[str, float]:
-    """Monotone envelope over H <= L <= R: H = 0, L = values[L], R = max(values[R], values[L])."""
+    """Monotone envelope over H <= L <= L2 <= R (rule 1 of the module docstring)."""
     lv = _num(values.get("L"))
-    return {"H": 0.0, "L": lv, "R": max(_num(values.get("R")), lv)}
+    if "L2" in values:
+        l2 = max(_num(values["L2"]), lv)
+        return {"H": 0.0, "L": lv, "L2": l2, "R": max(_num(values.get("R")), l2)}
+    return {"H": 0.0, "L": lv, "L2": math.inf, "R": max(_num(values.get("R")), lv)}
 
 
 def floor_action(v_eff: dict[str, float], alpha: float) -> str:
     """Cheapest action whose effective sensitivity is within the tolerance (H always is)."""
     for a in ORDER:
-        if v_eff[a] <= alpha:
+        if v_eff.get(a, math.inf) <= alpha:
             return a
     return "H"
 
 
 def expected_b(
-    actions: dict[str, str], buckets: Iterable[BucketInput], base_b: float = 0.0, l_cost: float = L_COST
+    actions: dict[str, str],
+    buckets: Iterable[BucketInput],
+    base_b: float = 0.0,
+    l_cost: float = L_COST,
+    l2_cost: float = L2_COST,
 ) -> float:
     """``base_b + sum_q w_q * cost(action_q)``."""
-    return base_b + sum(b.weight * cost(actions[b.bucket], l_cost) for b in buckets)
+    return base_b + sum(b.weight * cost(actions[b.bucket], l_cost, l2_cost) for b in buckets)
 
 
 def solve(
@@ -126,6 +140,7 @@ def solve(
     alpha_p: float = 0.02,
     base_b: float = 0.0,
     l_cost: float = L_COST,
+    l2_cost: float = L2_COST,
 ) -> Solution:
     """Floors from sensitivity, then greedy distortion-per-cost upgrades under ``target_b``."""
     names = [b.bucket for b in buckets]
@@ -135,12 +150,12 @@ def solve(
     d_eff = {b.bucket: envelope(b.d) for b in buckets}
     floors = {b.bucket: floor_action(v_eff[b.bucket], alpha_p if b.stage == "P" else alpha_d) for b in buckets}
     actions = dict(floors)
-    floor_b = expected_b(actions, buckets, base_b, l_cost)
+    floor_b = expected_b(actions, buckets, base_b, l_cost, l2_cost)
     sol = Solution(actions, floors, floor_b, floor_b, target_b, floor_b <= target_b + 1e-12, v_eff, d_eff)
     if not sol.feasible:
         sol.needs = {
-            "alpha_p": _needed(buckets, v_eff, "P", alpha_p, alpha_d, target_b, base_b, l_cost),
-            "alpha_d": _needed(buckets, v_eff, "D", alpha_p, alpha_d, target_b, base_b, l_cost),
+            "alpha_p": _needed(buckets, v_eff, "P", alpha_p, alpha_d, target_b, base_b, (l_cost, l2_cost)),
+            "alpha_d": _needed(buckets, v_eff, "D", alpha_p, alpha_d, target_b, base_b, (l_cost, l2_cost)),
         }
         return sol
     b_now = floor_b
@@ -150,7 +165,7 @@ def solve(
         for b in buckets:
             cur = actions[b.bucket]
             for new in ORDER[ORDER.index(cur) + 1 :]:
-                added = b.weight * (cost(new, l_cost) - cost(cur, l_cost))
+                added = b.weight * (cost(new, l_cost, l2_cost) - cost(cur, l_cost, l2_cost))
                 gain = d_eff[b.bucket][cur] - d_eff[b.bucket][new]
                 if b_now + added > target_b + eps or not gain > 0:
                     continue
@@ -173,16 +188,16 @@ def solve(
                 "b": b_now,
             }
         )
-    sol.expected_b = expected_b(actions, buckets, base_b, l_cost)
+    sol.expected_b = expected_b(actions, buckets, base_b, l_cost, l2_cost)
     return sol
 
 
-def _needed(buckets, v_eff, stage, alpha_p, alpha_d, target_b, base_b, l_cost) -> float | None:
+def _needed(buckets, v_eff, stage, alpha_p, alpha_d, target_b, base_b, costs) -> float | None:
     """The smallest tolerance of ``stage`` (the other stage's kept) whose floor table fits ``target_b``."""
     cands = sorted({v for b in buckets if b.stage == stage for v in v_eff[b.bucket].values() if math.isfinite(v)})
     for alpha in cands:
         a_p, a_d = (alpha, alpha_d) if stage == "P" else (alpha_p, alpha)
         floors = {b.bucket: floor_action(v_eff[b.bucket], a_p if b.stage == "P" else a_d) for b in buckets}
-        if expected_b(floors, buckets, base_b, l_cost) <= target_b + 1e-12:
+        if expected_b(floors, buckets, base_b, *costs) <= target_b + 1e-12:
             return alpha
     return None

@@ -1,5 +1,5 @@
-// Tiered decode attention on the CPU: one query token per sequence over its BF16 (H) and packed
-// INT4 (L) tiers, both streams merged in one FP32 online softmax. Plain C ABI (loaded with ctypes
+// Tiered decode attention on the CPU: one query token per sequence over its BF16 (H), packed INT4
+// (L) and packed INT2 (L2) tiers, the three streams merged in one FP32 online softmax. Plain C ABI (loaded with ctypes
 // by pask/kv/native_attention.py), one call per layer for the whole batch, parallel over
 // (sequence, kv head) with OpenMP. Layouts are the TieredCache's (pask/kv/storage.py):
 //
@@ -10,7 +10,7 @@
 //            vq     [Hkv, D/32, lcap, 16] u8: a group's 32 value codes as adjacent pairs
 //            vs, vz [Hkv, D/32, lcap] bf16: v = c * scale + zero
 //            kbal   [Hkv, 2, D] f32 (mid, bal): k = k' * bal + mid
-//   L tier at 2 bits (bits == 2, KIVI-2): kq [Hkv, lcap, D/4] u8, token-major, byte j holds codes
+//   L2 tier (INT2): kq [Hkv, lcap, D/4] u8, token-major, byte j holds codes
 //            4j..4j+3 at bit offsets 0, 2, 4, 6; k' = (c - 2) * scale + zero; ksz as above;
 //            vq [Hkv, D/32, lcap, 8] u8 (a group's 32 codes, four per byte); vs, vz as above
 //
@@ -1148,7 +1148,7 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
 }
 #endif
 
-// The INT2 tier (bits == 2): token-major codes, scored one token at a time (no blocked layout).
+// The INT2 tier: token-major codes, scored one token at a time (no blocked layout).
 void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap;
@@ -1241,18 +1241,21 @@ int pask_attention_use_amx(int want) {
 #endif
 }
 
-// Returns 0, or -1 for an unsupported shape (nothing written). bits: the L tier's code width (4 or 2).
+// Returns 0, or -1 for an unsupported shape (nothing written).
 // q, out: [nseq, hkv * grp, D] (q bf16, out f32); per-sequence arrays of pointers (null = no tier /
-// finished sequence) and slot counts. A sequence with neither tier gets zeros.
-// probs (may be null; so may each entry): per sequence fp32 [hkv, hn + ln], the softmax weights of
-// its H slots then its L slots, averaged over each kv head's query rows (the step attention).
+// finished sequence) and slot counts: the H tier, the INT4 tier (kq .. ln), the INT2 tier
+// (kq2 .. ln2); kbal is shared by both low tiers. A sequence with no tier gets zeros.
+// probs (may be null; so may each entry): per sequence fp32 [hkv, hn + ln + ln2], the softmax
+// weights of its H slots, then its INT4 slots, then its INT2 slots, averaged over each kv head's
+// query rows (the step attention).
 int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const uint16_t* q,
                       const void* const* kh, const void* const* vh, const int64_t* hcap, const int64_t* hn,
                       const void* const* kq, const void* const* ksz, const void* const* vq,
                       const void* const* vs, const void* const* vz, const int64_t* lcap, const int64_t* ln,
-                      const void* const* kbal, float* out, int nthreads, int bits, void* const* probs) {
+                      const void* const* kq2, const void* const* ksz2, const void* const* vq2,
+                      const void* const* vs2, const void* const* vz2, const int64_t* lcap2, const int64_t* ln2,
+                      const void* const* kbal, float* out, int nthreads, void* const* probs) {
   if (D % QG != 0 || D > MAXD || D <= 0 || grp < 1 || grp > MAXR || hkv < 1 || nseq < 0) return -1;
-  if (bits != 4 && bits != 2) return -1;
   const int ntask = nseq * hkv;
   const int64_t rows = static_cast<int64_t>(hkv) * grp;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
@@ -1263,7 +1266,11 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
           static_cast<const uint8_t*>(kq[b]), static_cast<const uint8_t*>(vq[b]),
           static_cast<const uint16_t*>(ksz[b]), static_cast<const uint16_t*>(vs[b]),
           static_cast<const uint16_t*>(vz[b]), lcap[b], kq[b] ? ln[b] : 0, static_cast<const float*>(kbal[b])};
-    if (s.hn <= 0 && s.ln <= 0) {
+    // the INT2 tier seen through the same fields (l2_stream reads kq .. ln)
+    Seq s2{nullptr, nullptr, 0, 0, static_cast<const uint8_t*>(kq2[b]), static_cast<const uint8_t*>(vq2[b]),
+           static_cast<const uint16_t*>(ksz2[b]), static_cast<const uint16_t*>(vs2[b]),
+           static_cast<const uint16_t*>(vz2[b]), lcap2[b], kq2[b] ? ln2[b] : 0, static_cast<const float*>(kbal[b])};
+    if (s.hn <= 0 && s.ln <= 0 && s2.ln <= 0) {
       std::fill(o, o + grp * D, 0.0f);
       continue;
     }
@@ -1284,7 +1291,7 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
     float* pw = probs != nullptr && probs[b] != nullptr ? static_cast<float*>(probs[b]) : nullptr;
     std::vector<float> trace;
     if (pw != nullptr) {
-      st.tstride = s.hn + s.ln;
+      st.tstride = s.hn + s.ln + s2.ln;
       trace.resize(static_cast<size_t>(grp) * st.tstride);
       st.trace = trace.data();
     }
@@ -1294,12 +1301,13 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
 #endif
     if (s.hn > 0) h_stream(st, qb, qh, scaling, s, h);
     if (s.ln > 0) {
-      if (bits == 2) l2_stream(st, qf, scaling, s, h);
 #if defined(PASK_AMX)
-      else if (st.amx && bits == 4) l_stream_amx(st, qf, scaling, s, h);
+      if (st.amx) l_stream_amx(st, qf, scaling, s, h);
+      else
 #endif
-      else l_stream(st, qf, scaling, s, h);
+        l_stream(st, qf, scaling, s, h);
     }
+    if (s2.ln > 0) l2_stream(st, qf, scaling, s2, h);
 #if defined(PASK_AMX)
     if (st.amx) _tile_release();
 #endif

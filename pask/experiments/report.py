@@ -592,7 +592,11 @@ def plot_sensitivity_vs_distortion(table_path: Path | str, path: Path) -> Plot:
     fig = _figure()
     ax = fig.add_subplot()
     series = []
-    for action, name, color in (("L", "L (INT4)", "tab:blue"), ("R", "R (release)", "tab:red")):
+    for action, name, color in (
+        ("L", "L (INT4)", "tab:blue"),
+        ("L2", "L2 (INT2)", "tab:orange"),
+        ("R", "R (release)", "tab:red"),
+    ):
         pts = []
         for b in buckets:
             v, d = (b.get("V") or {}).get(action), (b.get("D") or {}).get(action)
@@ -602,7 +606,7 @@ def plot_sensitivity_vs_distortion(table_path: Path | str, path: Path) -> Plot:
             ax.scatter([d for d, _ in pts], [v for _, v in pts], s=18, alpha=0.75, color=color, label=name)
             series.append(name)
     if not series:
-        raise PaskError(f"{table_path}: no bucket has finite V and D values for L or R")
+        raise PaskError(f"{table_path}: no bucket has finite V and D values for L, L2 or R")
     ax.set_xlabel("attention-output distortion D (relative L2)")
     ax.set_ylabel("task-error sensitivity V (accuracy drop)")
     ax.set_title(f"calibration: {data.get('model', {}).get('name', '?')} · {data.get('task', '?')}")

@@ -1,4 +1,4 @@
-"""The "pask" attention: exact prefill, then decode over a TieredCache's H and INT4 streams.
+"""The "pask" attention: exact prefill, then decode over a TieredCache's H, INT4 and INT2 streams.
 
 Registration: :func:`register` adds ``"pask"`` to transformers' ``AttentionInterface`` and a
 mask function to ``AttentionMaskInterface`` (idempotent). :func:`enable_pask_attention` (or the
@@ -17,8 +17,8 @@ exact (pads never stored, released tokens gone), so decode needs no mask, and a 
 extend masks causally among its own new tokens, which sit at the tail of the H tier.
 
 Decode math (per sequence): ``q [Hq, D]`` is viewed as ``[Hkv, Hq/Hkv, D]`` (GQA without repeating
-K/V); the H tier and the INT4 tier (dequantised ``dequant_block`` tokens at a time) are merged
-with one FP32 online softmax (running max, running sum, running output). The scale is
+K/V); the H tier, the INT4 tier and the INT2 tier (both dequantised ``dequant_block`` tokens at a
+time) are merged with one FP32 online softmax (running max, running sum, running output). The scale is
 ``module.scaling``. Which code computes it, in order of preference (``CacheConfig.fast_path`` /
 ``native``): the native kernel (:mod:`pask.kv.native_attention`: one call per layer for the whole
 batch, bf16 on CPU), PyTorch's fused CPU kernels per sequence (:mod:`pask.kv.fastpath`), the
@@ -88,7 +88,7 @@ class OnlineSoftmax:
 def tiered_attention_reference(
     q: torch.Tensor, store: _SeqStore, scaling: float, n_new: int = 1, block: int = 256
 ) -> torch.Tensor:
-    """Attention of one sequence's queries ``q [Hq, qn, D]`` over its H and INT4 tiers -> ``[qn, Hq, D]``.
+    """Attention of one sequence's queries ``q [Hq, qn, D]`` over its H, INT4 and INT2 tiers -> ``[qn, Hq, D]``.
 
     The ``n_new`` newest H slots are the query tokens themselves (causal among them).
     """
@@ -110,10 +110,11 @@ def tiered_attention_reference(
                 slot = torch.arange(a, b, device=q.device)
                 s = s.masked_fill(slot[None, None, :] > row_limit[None, :, None], -torch.inf)
             state.update(s, vh[:, a:b].float())
-    n_l = store.l.n
-    for a in range(0, n_l, block):
-        k, v = store.low_kv(a, min(n_l, a + block))
-        state.update(torch.matmul(qf, k.transpose(1, 2)) * scaling, v)
+    for bits in (4, 2):
+        n_l = store.low(bits).n
+        for a in range(0, n_l, block):
+            k, v = store.low_kv(a, min(n_l, a + block), bits=bits)
+            state.update(torch.matmul(qf, k.transpose(1, 2)) * scaling, v)
     out = state.result().reshape(hkv, grp, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
     return out.to(q.dtype)
 
@@ -250,14 +251,14 @@ def native_agreement() -> float | None:
     """The native kernel against :func:`tiered_attention_reference` on random tiers (H, INT4, INT2,
     released): ``None`` if it agrees within bf16 rounding, else the largest error."""
     gen = torch.Generator().manual_seed(0)
-    for hkv, grp, d, n, bits in ((2, 7, 64, 200, 4), (1, 3, 128, 70, 4), (2, 7, 64, 150, 2)):
+    for hkv, grp, d, n, kinds in ((2, 7, 64, 200, 4), (1, 3, 128, 70, 3), (2, 7, 64, 150, 4)):
         cfg = attention_config(hkv, grp, d)
-        cache = TieredCache(cfg, CacheConfig(num_groups=1, recent_window=2, low_bits=bits), 1)
+        cache = TieredCache(cfg, CacheConfig(num_groups=1, recent_window=2), 1)
         k = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
         v = torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16)
         cache.update(k, v, 0)
-        tier = torch.randint(0, 3, (n - 2,), generator=gen)
-        for a in (Action.L, Action.R):
+        tier = torch.randint(0, kinds, (n - 2,), generator=gen)
+        for a in (Action.L, Action.L2, Action.R):
             cache.apply(0, 0, torch.nonzero(tier == int(a)).flatten(), a)
         store = cache.layers[0].seqs[0]
         q = torch.randn(1, hkv * grp, 1, d, generator=gen).to(torch.bfloat16)

@@ -1,7 +1,7 @@
 """KV budget: the cost model of the actions and the budget measured on a TieredCache.
 
 Cost model (per token, per layer, relative to keeping it in full precision):
-``H = 1``, ``L = low-bit bytes (INT4, or INT2 in a 2-bit cache; codes + fp16 scale/zero) /
+``H = 1``, ``L = INT4 bytes (codes + bf16 scale/zero) / full-precision bytes``, ``L2 = INT2 bytes /
 full-precision bytes``, ``R = 0``.
 
 Measured budget: ``B = held bytes / bytes of the same tokens all kept H``, split into
@@ -42,12 +42,11 @@ def check_budget(budget, name: str = "budget") -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Relative cost of H / L / R for vectors of ``head_dim`` values in ``dtype``, L at ``bits`` (4 or 2)."""
+    """Relative cost of H / L (INT4) / L2 (INT2) / R for vectors of ``head_dim`` values in ``dtype``."""
 
     head_dim: int = 64
     quant_group: int = 32
     dtype: torch.dtype = torch.bfloat16
-    bits: int = 4
 
     @property
     def full_bytes_per_vector(self) -> int:
@@ -55,20 +54,27 @@ class CostModel:
 
     @property
     def l_ratio(self) -> float:
-        """L cost: 0.3125 for INT4 over BF16 at D=64, group 32 (0.1875 for INT2)."""
-        return lowbit_bytes_per_vector(self.head_dim, self.quant_group, self.bits) / self.full_bytes_per_vector
+        """L (INT4) cost: 0.3125 over BF16 at D=64, group 32."""
+        return lowbit_bytes_per_vector(self.head_dim, self.quant_group, 4) / self.full_bytes_per_vector
+
+    @property
+    def l2_ratio(self) -> float:
+        """L2 (INT2) cost: 0.1875 over BF16 at D=64, group 32."""
+        return lowbit_bytes_per_vector(self.head_dim, self.quant_group, 2) / self.full_bytes_per_vector
 
     def cost(self, action: Action) -> float:
-        return {Action.H: 1.0, Action.L: self.l_ratio, Action.R: 0.0}[Action(int(action))]
+        a = Action(int(action))
+        return {Action.H: 1.0, Action.L: self.l_ratio, Action.L2: self.l2_ratio, Action.R: 0.0}[a]
 
-    def mix_cost(self, h: float, l: float, r: float) -> float:  # noqa: E741
-        """Expected relative bytes of a mix of H / L / R fractions."""
-        return h * 1.0 + l * self.l_ratio + r * 0.0
+    def mix_cost(self, h: float, l: float, r: float, l2: float = 0.0) -> float:  # noqa: E741
+        """Expected relative bytes of a mix of H / L / R / L2 fractions."""
+        return h * 1.0 + l * self.l_ratio + l2 * self.l2_ratio + r * 0.0
 
     def predict(self, counts: Sequence[int]) -> float:
-        """Relative bytes of (nH, nL, nR) tokens."""
+        """Relative bytes of (nH, nL, nR[, nL2]) tokens (indexed by :class:`Action` value)."""
         n = sum(counts)
-        return 0.0 if n == 0 else (counts[0] + counts[1] * self.l_ratio) / n
+        l2 = counts[3] if len(counts) > 3 else 0
+        return 0.0 if n == 0 else (counts[0] + counts[1] * self.l_ratio + l2 * self.l2_ratio) / n
 
 
 @dataclass

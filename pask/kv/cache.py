@@ -1,12 +1,17 @@
-"""TieredCache: a transformers ``Cache`` holding each token's K/V as BF16 (H), INT4 (L) or nothing (R).
+"""TieredCache: a transformers ``Cache`` holding each token's K/V as BF16 (H), INT4 (L), INT2 (L2) or nothing (R).
 
 Storage (per layer, per sequence, no padding held; see :mod:`pask.kv.storage`):
 
 * H tier: dense ``K, V [Hkv, capacity, D]`` in the model dtype;
 * L tier: INT4 codes (two per byte, keys in 64-slot d-major blocks, values per scale group as
   adjacent pairs: the layouts PyTorch's CPU int4 GEMM reads) + per (token, group) scale and zero;
-  with ``CacheConfig.low_bits = 2`` INT2 codes instead (four per byte, token-major), read by the
-  native decode kernel and the reference attention (the fused and Triton kernels serve INT4 only).
+* L2 tier: INT2 codes (four per byte, token-major) + per (token, group) scale and zero, read by the
+  native decode kernel and the reference attention (the fused and Triton kernels serve H + INT4
+  only, and step aside for a sequence holding INT2 tokens).
+
+Any token of any layer group may sit in any tier: one cache holds all three at once. A token only
+moves down the harm chain H -> L -> L2 -> R (:data:`pask.kv.actions.HARM_ORDER`); an INT4 token
+moved to INT2 is requantised from its dequantised INT4 values.
 
 Each tier is dense: slots ``[0, n)`` are live. Appends write at the tail and double the
 capacity when full (amortised O(1) per token); removals move the last live slots into the
@@ -23,7 +28,6 @@ RoPE position); released tokens keep their position. Decoding must pass explicit
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -32,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pask.kv import native_attention
-from pask.kv.actions import Action
+from pask.kv.actions import LOW_BITS, Action, harm
 from pask.kv.budget import BudgetMeter
 from pask.kv.config import CacheConfig
 from pask.kv.errors import (
@@ -46,22 +50,7 @@ from pask.kv.errors import (
 from pask.kv.quant import check_group
 from pask.kv.storage import _NONE, CopyStats, _GroupIndex, _SeqStore
 
-H, L, R = int(Action.H), int(Action.L), int(Action.R)
-
-
-def config_for(policy, config: CacheConfig | None = None) -> CacheConfig:
-    """``config`` (default settings if None) with the L-tier width the policy asks for (``low_bits``).
-
-    ``low_bits`` is a member of every :class:`pask.policies.base.Policy` (``None``: no preference).
-    ``pask.kv`` sits below ``pask.policies`` and cannot name the protocol, and it accepts any policy
-    object (e.g. a user's object given to :func:`pask.kv_policy`), so it reads the attribute with
-    ``None`` as the default.
-    """
-    config = config or CacheConfig()
-    bits = getattr(policy, "low_bits", None)
-    if bits is None or bits == config.low_bits:
-        return config
-    return dataclasses.replace(config, low_bits=bits)
+H, L, R, L2 = int(Action.H), int(Action.L), int(Action.R), int(Action.L2)
 
 
 @dataclass(frozen=True)
@@ -144,8 +133,11 @@ def active_layer(key: torch.Tensor) -> TieredLayer | None:
     return entry[0]()
 
 
+_TIER_NAMES = {H: "BF16", L: "INT4", L2: "INT2", R: "released"}
+
+
 class TieredLayer(CacheLayerMixin):
-    """One model layer of a :class:`TieredCache`: per-sequence H and L tiers."""
+    """One model layer of a :class:`TieredCache`: per-sequence H, L and L2 tiers."""
 
     is_sliding = False
     is_croppable = False
@@ -320,8 +312,10 @@ class TieredCache(Cache):
     def apply(self, seq: int, group: int, positions, action: Action) -> None:
         """Apply ``action`` to ``positions`` of sequence ``seq`` in every layer of ``group``.
 
-        H keeps (no-op on H tokens), L packs H tokens to INT4 (no-op on L tokens), R frees H or L tokens.
-        Raises on unknown/duplicate positions, released tokens, L -> H and the protected recent window.
+        H keeps (no-op on H tokens), L packs H tokens to INT4 (no-op on L tokens), L2 packs H tokens
+        to INT2 and requantises L tokens to INT2 (no-op on L2 tokens), R frees tokens of any tier.
+        Raises on unknown/duplicate positions, released tokens, a move up the harm chain (L -> H,
+        L2 -> L or H) and the protected recent window.
         """
         action = Action(int(action))
         ix = self.index(seq, group)
@@ -340,16 +334,22 @@ class TieredCache(Cache):
         tiers = ix.tier_of.t[pos].long()
         if bool((tiers == R).any()):
             raise self._released(seq, group, pos[tiers == R][:5].tolist())
+        above = [t for t in (L, L2) if harm(t) > harm(action)]
+        bad = torch.isin(tiers, torch.tensor(above, dtype=torch.long)) if above else None
+        if bad is not None and bool(bad.any()):
+            raise self._irreversible(seq, group, pos[bad][:5].tolist(), int(tiers[bad][0]), action)
         if action == Action.H:
-            if bool((tiers == L).any()):
-                raise self._irreversible(seq, group, pos[tiers == L][:5].tolist())
             return
         layers = [self.layers[i] for i in self.groups[group]]
         from_h = pos[tiers == H]
         if action == Action.L:
-            self._move_to_low(seq, ix, layers, from_h)
+            self._move_to_low(seq, ix, layers, from_h, H, 4)
+        elif action == Action.L2:
+            self._move_to_low(seq, ix, layers, from_h, H, 2)
+            self._move_to_low(seq, ix, layers, pos[tiers == L], L, 2)
         else:
-            for tier, sel in ((H, from_h), (L, pos[tiers == L])):
+            for tier in (H, L, L2):
+                sel = pos[tiers == tier]
                 if sel.numel():
                     self._remove(seq, ix, layers, tier, sel)
                     ix.release(sel)
@@ -371,9 +371,10 @@ class TieredCache(Cache):
         return AlreadyReleasedError(f"positions {bad} of sequence {seq}, group {group} were already released")
 
     @staticmethod
-    def _irreversible(seq: int, group: int, bad: list[int]) -> IrreversibleActionError:
+    def _irreversible(seq: int, group: int, bad: list[int], tier: int, action: Action) -> IrreversibleActionError:
+        have, want = _TIER_NAMES[tier], _TIER_NAMES[int(action)]
         return IrreversibleActionError(
-            f"positions {bad} of sequence {seq}, group {group} are INT4: INT4 cannot go back to H"
+            f"positions {bad} of sequence {seq}, group {group} are {have}: {have} cannot go back to {want}"
         )
 
     def _apply_one(self, seq: int, group: int, ix: _GroupIndex, p: int, action: Action) -> None:
@@ -385,45 +386,54 @@ class TieredCache(Cache):
         tier = int(ix.tier_of.t[p])
         if tier == R:
             raise self._released(seq, group, [p])
-        if action == Action.H:
-            if tier == L:
-                raise self._irreversible(seq, group, [p])
+        if tier != H and harm(tier) > harm(action):
+            raise self._irreversible(seq, group, [p], tier, action)
+        if action == Action.H or tier == int(action):
             return
-        if action == Action.L and tier == L:
+        if action != Action.R:
+            bits = LOW_BITS[action]
+            stores = [self.layers[i].seqs[seq] for i in self.groups[group]]
+            if tier != H or not (self.config.native and native_attention.move_applies(stores, bits)):
+                layers = [self.layers[i] for i in self.groups[group]]
+                return self._move_to_low(seq, ix, layers, torch.tensor([p]), tier, bits)
+            target = int(action)
+            lslot = ix.n[target]
+            for st in stores:
+                st.low(bits).reserve(1)
+            slot, last = ix.remove_one(H, p)
+            native_attention.move_to_low(stores, slot, last, lslot, bits)
+            for st in stores:
+                st.low(bits).commit(1)
+                st.h.remove(_NONE, _NONE, last)
+            ix.add_one(target, p)
             return
         stores = [self.layers[i].seqs[seq] for i in self.groups[group]]
-        if action == Action.L:
-            if not (self.config.native and native_attention.move_applies(stores)):
-                layers = [self.layers[i] for i in self.groups[group]]
-                return self._move_to_low(seq, ix, layers, torch.tensor([p]))
-            lslot = ix.n[L]
-            for st in stores:
-                st.l.reserve(1)
-            slot, last = ix.remove_one(H, p)
-            native_attention.move_to_low(stores, slot, last, lslot)
-            for st in stores:
-                st.l.commit(1)
-                st.h.remove(_NONE, _NONE, last)
-            ix.add_one(L, p)
-            return
         slot, _ = ix.remove_one(tier, p)
         for st in stores:
             st.tier(tier).remove_one(slot)
         ix.release_one(p)
 
-    def _move_to_low(self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor) -> None:
+    def _move_to_low(
+        self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor, tier: int, bits: int
+    ) -> None:
+        """Quantise the tokens at ``pos`` (all in ``tier``: H, or L when ``bits`` is 2) into the
+        ``bits`` tier of every layer of the group and remove them from ``tier``."""
         if pos.numel() == 0:
             return
         slots = ix.slot_of.t[pos].long()
         for layer in layers:
             st = layer.seqs[seq]
-            kv = st.h.take(slots)
-            st.append_low(kv["k"], kv["v"])
-        plan = ix.plan_remove(H, slots)
+            if tier == H:
+                kv = st.h.take(slots)
+                k, v = kv["k"], kv["v"]
+            else:  # INT4 -> INT2: requantise the dequantised INT4 values
+                k, v = st.low_kv(dtype=st.h.parts["k"].dtype, bits=4, slots=slots)
+            st.append_low(k, v, bits)
+        plan = ix.plan_remove(tier, slots)
         for layer in layers:
-            layer.seqs[seq].h.remove(*plan)
-        ix.remove(H, pos, plan)
-        ix._add(L, pos.to(torch.int32))
+            layer.seqs[seq].tier(tier).remove(*plan)
+        ix.remove(tier, pos, plan)
+        ix._add(L if bits == 4 else L2, pos.to(torch.int32))
 
     def _remove(self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], tier: int, pos: torch.Tensor) -> None:
         slots = ix.slot_of.t[pos].long()
@@ -437,8 +447,8 @@ class TieredCache(Cache):
         for layer in self.layers:
             for st in layer.seqs:
                 if st is not None:
-                    st.h.compact()
-                    st.l.compact()
+                    for t in st.tiers():
+                        t.compact()
 
     def tiers(self, seq: int, group: int) -> torch.Tensor:
         """Tier (Action value) of each position of ``seq`` in ``group`` (int8 [seq_length])."""
@@ -481,7 +491,8 @@ class TieredCache(Cache):
                     mine.dtype, mine.device = theirs.dtype, theirs.device
                     mine.seqs = [None] * self.num_seqs
                     mine.is_initialized = True
-                store.h.stats = store.l.stats = self.stats
+                for t in store.tiers():
+                    t.stats = self.stats
                 theirs.seqs[row] = None
             if mine.is_initialized:
                 mine.seqs.append(store)
@@ -515,38 +526,29 @@ class TieredCache(Cache):
         """
         held, full = [0, 0], [0, 0]
         for g, ix in enumerate(self._indices[seq]):
-            tokens = [ix.counts[H][i] + ix.counts[L][i] + ix.counts[R][i] for i in range(2)]
+            tokens = [sum(ix.counts[t][i] for t in (H, L, L2, R)) for i in range(2)]
             for li in self.groups[g]:
                 layer = self.layers[li]
                 st = layer.seqs[seq] if layer.is_initialized else None
                 if st is None:
                     continue
-                for tier, t in ((H, st.h), (L, st.l)):
+                for tier, t in ((H, st.h), (L, st.l), (L2, st.l2)):
                     if t.n:
                         per_slot = t.live_bytes() // t.n
                         for i in range(2):
                             held[i] += per_slot * ix.counts[tier][i]
                 for i in range(2):
                     full[i] += st.h.slot_bytes() * tokens[i]
-                held[0] += st.balance_bytes()  # per-sequence key balance of the INT4 tier
+                held[0] += st.balance_bytes()  # per-sequence key balance of the low-bit tiers
         return held, full
 
     def held_bytes(self) -> int:
-        """Bytes of the live K/V slots (H values, INT4 codes + scales/zeros) in all tiers' tensors."""
-        total = 0
-        for layer in self.layers:
-            for st in layer.seqs:
-                if st is not None:
-                    total += st.h.live_bytes() + st.l.live_bytes() + st.balance_bytes()
-        return total
+        """Bytes of the live K/V slots (H values, INT4 / INT2 codes + scales/zeros) in all tiers' tensors."""
+        return sum(st.live_bytes() for layer in self.layers for st in layer.seqs if st is not None)
 
     def allocated_bytes(self) -> int:
         """Bytes of every tensor the cache owns (tier storage incl. spare capacity, and index metadata)."""
-        total = 0
-        for layer in self.layers:
-            for st in layer.seqs:
-                if st is not None:
-                    total += st.h.allocated_bytes() + st.l.allocated_bytes() + st.balance_bytes()
+        total = sum(st.allocated_bytes() for layer in self.layers for st in layer.seqs if st is not None)
         for row in self._indices:
             total += sum(ix.nbytes() for ix in row)
         return total

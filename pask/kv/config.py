@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pask.kv.errors import KVCacheError
-from pask.kv.quant import check_bits
 
 
 @dataclass
@@ -21,7 +20,6 @@ class CacheConfig:
     fast_path: bool = True  # use a fused CPU decode path when one applies (bf16 on CPU)
     native: bool = True  # prefer the compiled kernel (native_attention.cpp) over PyTorch's fused kernels
     key_balance: bool = True  # balance INT4 keys per channel before quantising (see storage.key_balance)
-    low_bits: int = 4  # code width of the L tier: 4 (INT4) or 2 (INT2, for KIVI-2)
     headroom: int = 0  # spare slots of a tier's first allocation (0: doubling from initial_capacity)
 
     def __post_init__(self) -> None:
@@ -35,4 +33,3 @@ class CacheConfig:
             raise KVCacheError(f"headroom must be >= 0, got {self.headroom}")
         if not 0.0 <= self.shrink_below < 0.8:
             raise KVCacheError(f"shrink_below must be in [0, 0.8), got {self.shrink_below}")
-        check_bits(self.low_bits)

@@ -78,7 +78,7 @@ def applies(q: torch.Tensor, store: _SeqStore) -> bool:
         and h.dtype == torch.bfloat16
         and q.shape[-1] == 64
         and store.group == 32
-        and store.bits == 4
+        and store.l2.n == 0
         and available()
     )
 

@@ -1,9 +1,9 @@
 """Native decode attention over the tiered cache: one C++ call per layer for the whole batch.
 
-``native_attention.cpp`` reads each sequence's BF16 tier and packed INT4 tier in place (the
-layouts of :mod:`pask.kv.storage`), computes INT4 key scores from the codes without dequantising
-a key (per-group scale and zero applied to code dot products, all query rows of a kv head sharing
-one pass over the codes), and merges both streams in one FP32 online softmax; sequences x kv heads
+``native_attention.cpp`` reads each sequence's BF16, packed INT4 and packed INT2 tiers in place
+(the layouts of :mod:`pask.kv.storage`), computes low-bit key scores from the codes without
+dequantising a key (per-group scale and zero applied to code dot products, all query rows of a kv
+head sharing one pass over the codes), and merges the three streams in one FP32 online softmax; sequences x kv heads
 run in parallel (OpenMP, ``torch.get_num_threads()`` threads). It replaces the per-sequence Python
 path (PyTorch's flash kernel + six int4-GEMM calls per sequence and layer), whose fixed cost and
 compute-bound INT4 GEMM made an INT4 token slower to read than a BF16 one on this CPU.
@@ -51,8 +51,8 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library_path()))
     f = lib.pask_decode_layer
     vp, i64 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
-    f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp, vp, i64, i64] + [vp] * 5 + [i64, i64, vp, vp]
-    f.argtypes += [ctypes.c_int, ctypes.c_int, vp]
+    f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp, vp, i64, i64] + ([vp] * 5 + [i64, i64]) * 2
+    f.argtypes += [vp, vp, ctypes.c_int, vp]
     f.restype = ctypes.c_int
     m = lib.pask_move_to_low
     m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
@@ -132,7 +132,6 @@ def applies(query: torch.Tensor, layer) -> bool:
         and query.shape[-1] <= MAX_DIM
         and grp <= MAX_ROWS
         and cfg.quant_group == GROUP
-        and cfg.low_bits in (2, 4)
         and available()
     )
 
@@ -149,9 +148,9 @@ def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = Fal
     """Decode attention of ``query [B, Hq, 1, D]`` (bf16) over every sequence of ``layer`` -> ``[B, 1, Hq, D]``.
 
     ``weights=True`` returns ``(out, probs)`` instead: per row (None for a dropped row) the fp32
-    softmax weights ``[Hkv, n_H + n_L]`` of its H slots then its L slots, averaged over the query
-    heads of each kv head (the kernel's own weights, from its exp; what :func:`explicit_decode`
-    computes in PyTorch).
+    softmax weights ``[Hkv, n_H + n_L + n_L2]`` of its H slots, then its INT4 slots, then its INT2
+    slots, averaged over the query heads of each kv head (the kernel's own weights, from its exp;
+    what :func:`explicit_decode` computes in PyTorch).
     """
     if _LIB is None and not available():
         raise RuntimeError(f"pask native attention is {status()}")
@@ -161,79 +160,65 @@ def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = Fal
     q = query[:, :, 0, :].contiguous()
     out = torch.empty(bsz, hq, d, dtype=torch.float32)
     seqs = layer.seqs
-    arrays = {k: [None] * bsz for k in ("kh", "vh", "kq", "ksz", "vq", "vs", "vz", "kbal")}
-    hcap, hn, lcap, ln = [0] * bsz, [0] * bsz, [0] * bsz, [0] * bsz
+    low = ("kq", "ksz", "vq", "vs", "vz")
+    names = ("kh", "vh", *low, *(x + "2" for x in low), "kbal")
+    arrays = {k: [None] * bsz for k in names}
+    counts = {k: [0] * bsz for k in ("hcap", "hn", "lcap", "ln", "lcap2", "ln2")}
     for b in range(bsz):
         st = seqs[b] if b < len(seqs) else None
         if st is None:
             continue
         if st.h.n:
             arrays["kh"][b], arrays["vh"][b] = _ptr(st.h.t["k"]), _ptr(st.h.t["v"])
-            hcap[b], hn[b] = st.h.cap, st.h.n
-        if st.l.n:
-            t = st.l.t
-            for k in ("kq", "ksz", "vq", "vs", "vz"):
-                arrays[k][b] = _ptr(t[k])
-            arrays["kbal"][b] = _ptr(st.kbal)
-            lcap[b], ln[b] = st.l.cap, st.l.n
+            counts["hcap"][b], counts["hn"][b] = st.h.cap, st.h.n
+        for tier, sfx in ((st.l, ""), (st.l2, "2")):
+            if tier.n:
+                for k in low:
+                    arrays[k + sfx][b] = _ptr(tier.t[k])
+                arrays["kbal"][b] = _ptr(st.kbal)
+                counts["lcap" + sfx][b], counts["ln" + sfx][b] = tier.cap, tier.n
     ptrs = {k: (ctypes.c_void_p * bsz)(*v) for k, v in arrays.items()}
-    i64 = ctypes.c_int64 * bsz
+    n = {k: (ctypes.c_int64 * bsz)(*v) for k, v in counts.items()}
     probs = None
     if weights:
         live = [b < len(seqs) and seqs[b] is not None for b in range(bsz)]
-        probs = [torch.empty(hkv, hn[b] + ln[b]) if live[b] else None for b in range(bsz)]
+        width = [counts["hn"][b] + counts["ln"][b] + counts["ln2"][b] for b in range(bsz)]
+        probs = [torch.empty(hkv, width[b]) if live[b] else None for b in range(bsz)]
         ptrs["probs"] = (ctypes.c_void_p * bsz)(*[None if p is None else p.data_ptr() for p in probs])
     rc = _LIB.pask_decode_layer(
-        bsz,
-        hkv,
-        hq // hkv,
-        d,
-        float(scaling),
-        q.data_ptr(),
-        ptrs["kh"],
-        ptrs["vh"],
-        i64(*hcap),
-        i64(*hn),
-        ptrs["kq"],
-        ptrs["ksz"],
-        ptrs["vq"],
-        ptrs["vs"],
-        ptrs["vz"],
-        i64(*lcap),
-        i64(*ln),
-        ptrs["kbal"],
-        out.data_ptr(),
-        torch.get_num_threads(),
-        layer.cache.config.low_bits,
-        ptrs.get("probs"),
-    )
+        bsz, hkv, hq // hkv, d, float(scaling), q.data_ptr(),
+        ptrs["kh"], ptrs["vh"], n["hcap"], n["hn"],
+        *(ptrs[k] for k in low), n["lcap"], n["ln"],
+        *(ptrs[k + "2"] for k in low), n["lcap2"], n["ln2"],
+        ptrs["kbal"], out.data_ptr(), torch.get_num_threads(), ptrs.get("probs"),
+    )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native attention rejected the shape (Hkv {hkv}, Hq {hq}, D {d})")
     out = out.view(bsz, 1, hq, d).to(query.dtype)
     return (out, probs) if weights else out
 
 
-def move_applies(stores: list) -> bool:
+def move_applies(stores: list, bits: int = 4) -> bool:
     """Whether :func:`move_to_low` serves these stores (bf16 H tiers, key balance already fixed)."""
     st = stores[0]
     return (
         st.group == GROUP
-        and st.bits in (2, 4)
+        and bits in (2, 4)
         and st.h.parts["k"].dtype == torch.bfloat16
         and all(s.kbal is not None for s in stores)
         and available()
     )
 
 
-def move_to_low(stores: list, slot: int, last: int, lslot: int) -> None:
-    """Quantise H slot ``slot`` of each store (the layers of one group) into L slot ``lslot`` (INT4
-    or INT2, the stores' width) and move H slot ``last`` into ``slot``; bit-exact with
-    :meth:`_SeqStore.append_low`. The L tiers must already hold capacity for ``lslot``; the caller
+def move_to_low(stores: list, slot: int, last: int, lslot: int, bits: int = 4) -> None:
+    """Quantise H slot ``slot`` of each store (the layers of one group) into slot ``lslot`` of its
+    ``bits`` tier (4: L, 2: L2) and move H slot ``last`` into ``slot``; bit-exact with
+    :meth:`_SeqStore.append_low`. The low tiers must already hold capacity for ``lslot``; the caller
     updates the counts."""
     n = len(stores)
     vp = ctypes.c_void_p * n
     i64 = ctypes.c_int64 * n
-    h, lt = [s.h.t for s in stores], [s.l.t for s in stores]
+    h, lt = [s.h.t for s in stores], [s.low(bits).t for s in stores]
     d = stores[0].h.parts["k"].post[0]
     rc = _LIB.pask_move_to_low(  # (tier tensors are allocated contiguous: data_ptr without _ptr's check)
         n,
@@ -245,13 +230,13 @@ def move_to_low(stores: list, slot: int, last: int, lslot: int) -> None:
         slot,
         last,
         *(vp(*[t[k].data_ptr() for t in lt]) for k in ("kq", "ksz", "vq", "vs", "vz")),
-        i64(*[s.l.cap for s in stores]),
+        i64(*[s.low(bits).cap for s in stores]),
         lslot,
         vp(*[_ptr(s.kbal) for s in stores]),
-        stores[0].bits,
+        bits,
     )
     if rc != 0:
-        raise RuntimeError(f"native L-tier move rejected the shape (head_dim {d}, {stores[0].bits} bits)")
+        raise RuntimeError(f"native low-bit move rejected the shape (head_dim {d}, {bits} bits)")
 
 
 def append_h(stores: list, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -283,13 +268,13 @@ def append_h(stores: list, k: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
-def quantize_low(store, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Append ``k, v [Hkv, n, D]`` (bf16) to ``store``'s L tier with the native quantiser (bit-exact
+def quantize_low(store, k: torch.Tensor, v: torch.Tensor, bits: int = 4) -> bool:
+    """Append ``k, v [Hkv, n, D]`` (bf16) to ``store``'s ``bits`` tier with the native quantiser (bit-exact
     with the PyTorch path of :meth:`_SeqStore.append_low`, parallel over kv heads and 64-slot blocks);
     False, with nothing written, where it does not apply (the caller then takes the PyTorch path)."""
     if not (
         store.group == GROUP
-        and store.bits in (2, 4)
+        and bits in (2, 4)
         and store.kbal is not None
         and k.dtype == torch.bfloat16
         and v.dtype == torch.bfloat16
@@ -299,16 +284,16 @@ def quantize_low(store, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     heads, n, d = k.shape
     k, v = k.contiguous(), v.contiguous()
-    lt = store.l
+    lt = store.low(bits)
     lslot = lt.n
     lt.reserve(n)
     t = lt.t
     rc = _LIB.pask_quantize_low(
         heads, d, k.data_ptr(), v.data_ptr(), n,
         *(_ptr(t[x]) for x in ("kq", "ksz", "vq", "vs", "vz")),
-        lt.cap, lslot, _ptr(store.kbal), store.bits, torch.get_num_threads(),
+        lt.cap, lslot, _ptr(store.kbal), bits, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise RuntimeError(f"native L-tier quantiser rejected the shape (head_dim {d}, {store.bits} bits)")
+        raise RuntimeError(f"native low-bit quantiser rejected the shape (head_dim {d}, {bits} bits)")
     lt.commit(n)
     return True

@@ -137,12 +137,20 @@ def value_output_norm(v: torch.Tensor, o_proj: torch.Tensor, num_q_heads: int) -
 
 
 def explicit_decode(
-    q: torch.Tensor, store, scaling: float, pos_h: torch.Tensor, pos_l: torch.Tensor, scorer: Callable | None = None
+    q: torch.Tensor,
+    store,
+    scaling: float,
+    pos_h: torch.Tensor,
+    pos_l: torch.Tensor,
+    scorer: Callable | None = None,
+    pos_l2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One query token ``q [Hq, 1, D]`` over the H and INT4 tiers with explicit FP32 scores.
+    """One query token ``q [Hq, 1, D]`` over the H, INT4 and INT2 tiers with explicit FP32 scores.
 
-    Returns ``(out [1, Hq, D] in q's dtype, probs [Hkv, n] averaged over each kv head's query heads,
-    positions [n], scorer result or None)``; column ``i`` belongs to ``positions[i]``.
+    ``pos_h``, ``pos_l``, ``pos_l2``: the positions of each tier's slots (``pos_l2`` may be None
+    when the INT2 tier is empty). Returns ``(out [1, Hq, D] in q's dtype, probs [Hkv, n] averaged
+    over each kv head's query heads, positions [n], scorer result or None)``; column ``i`` belongs
+    to ``positions[i]``.
     """
     hq, _, d = q.shape
     hkv = store.h.heads
@@ -152,13 +160,17 @@ def explicit_decode(
     if store.h.n:
         ks.append(store.h.view("k").float())
         vs.append(store.h.view("v").float())
-    if store.l.n:
-        k, v = store.low_kv()
-        ks.append(k)
-        vs.append(v)
+    for bits in (4, 2):
+        if store.low(bits).n:
+            k, v = store.low_kv(bits=bits)
+            ks.append(k)
+            vs.append(v)
     k = torch.cat(ks, dim=1) if len(ks) > 1 else ks[0]
     v = torch.cat(vs, dim=1) if len(vs) > 1 else vs[0]
-    positions = torch.cat([pos_h[: store.h.n], pos_l[: store.l.n]]).long()
+    parts = [pos_h[: store.h.n], pos_l[: store.l.n]]
+    if store.l2.n:
+        parts.append(pos_l2[: store.l2.n])
+    positions = torch.cat(parts).long()
     p = torch.softmax(torch.matmul(qf, k.transpose(1, 2)) * scaling, dim=-1)  # [Hkv, grp, n]
     out = torch.matmul(p, v).reshape(1, hq, d).to(q.dtype)
     extra = scorer(qf, k, positions, scaling) if scorer is not None else None
@@ -256,7 +268,9 @@ class StatsCollector:
         """Decode attention of ``q [Hq, 1, D]`` for row ``seq`` via :func:`explicit_decode`, recording the step."""
         req = self.request
         pos_h, pos_l = layer.positions(seq, Action.H), layer.positions(seq, Action.L)
-        out, probs, positions, extra = explicit_decode(q, layer.seqs[seq], scaling, pos_h, pos_l, req.step_scorer)
+        pos_l2 = layer.positions(seq, Action.L2)
+        store = layer.seqs[seq]
+        out, probs, positions, extra = explicit_decode(q, store, scaling, pos_h, pos_l, req.step_scorer, pos_l2)
         li = layer.layer_idx
         if req.step_attention:
             self.record_step(layer, seq, probs, positions)
@@ -268,11 +282,11 @@ class StatsCollector:
 
     def record_step(self, layer, seq: int, probs: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Record the step attention ``probs [Hkv, n]`` of row ``seq`` in ``layer`` (columns: its H slots
-        then its L slots, unless ``positions`` names them)."""
+        then its INT4 slots, then its INT2 slots, unless ``positions`` names them)."""
         if positions is None:
             store = layer.seqs[seq]
-            pos_h, pos_l = layer.positions(seq, Action.H), layer.positions(seq, Action.L)
-            positions = torch.cat([pos_h[: store.h.n], pos_l[: store.l.n]]).long()
+            tiers = ((Action.H, store.h), (Action.L, store.l), (Action.L2, store.l2))
+            positions = torch.cat([layer.positions(seq, a)[: t.n] for a, t in tiers]).long()
         buf = self._row(self.step_attention, seq, (self.num_layers, probs.shape[0], layer.cache.seq_length(seq)))
         buf[layer.layer_idx][:, positions] = probs
 

@@ -6,8 +6,8 @@
 * :class:`_BlockedCodes`: INT4 key codes, 64-slot blocks stored d-major.
 * :class:`_GroupIndex`: per (sequence, layer group), the tier and slot of every position and the
   position of every slot, shared by the layers of the group.
-* :class:`_SeqStore`: one sequence's H and low-bit (L) tiers in one layer; the L tier holds INT4
-  codes, or INT2 codes when the cache's ``low_bits`` is 2 (KIVI-2).
+* :class:`_SeqStore`: one sequence's tiers in one layer: H (model dtype), L (INT4 codes) and L2
+  (INT2 codes), each allocated on its first token.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from pask.kv.quant import (
 if TYPE_CHECKING:
     from pask.kv.config import CacheConfig
 
-H, L, R = int(Action.H), int(Action.L), int(Action.R)
+H, L, R, L2 = int(Action.H), int(Action.L), int(Action.R), int(Action.L2)
+TIERS = (H, L, L2)  # the tiers that hold bytes (R holds none)
 
 
 @dataclass
@@ -290,10 +291,10 @@ class _GroupIndex:
         self.prompt_len = 0
         self.tier_of = _Growable(torch.int8, fill=-1)
         self.slot_of = _Growable(torch.int32)
-        self.pos_of = {H: _Growable(torch.int32), L: _Growable(torch.int32)}
-        self.n = {H: 0, L: 0}
+        self.pos_of = {t: _Growable(torch.int32) for t in TIERS}
+        self.n = dict.fromkeys(TIERS, 0)
         # counts[tier] = [prompt tokens, generated tokens]
-        self.counts = {H: [0, 0], L: [0, 0], R: [0, 0]}
+        self.counts = {t: [0, 0] for t in (*TIERS, R)}
 
     def positions(self, tier: int) -> torch.Tensor:
         return self.pos_of[tier].t[: self.n[tier]]
@@ -393,91 +394,120 @@ def key_balance(keys: torch.Tensor) -> torch.Tensor:
 class _SeqStore:
     """One sequence's tiers in one layer.
 
-    H tier: ``k, v [Hkv, cap, D]`` (model dtype). L tier at 4 bits: ``kq`` key codes (blocked,
+    H tier: ``k, v [Hkv, cap, D]`` (model dtype). L tier (INT4): ``kq`` key codes (blocked,
     d-major), ``ksz [Hkv, D/g, cap, 2]`` (scale, zero) per key group with
     ``k' = (code - 8) * scale + zero`` (the int4 GEMM's convention), ``vq [Hkv, D/g, cap, g/2]`` value
     codes per group as adjacent pairs (the GEMM's layout for a ``[g, tokens]`` weight), ``vs, vz
-    [Hkv, D/g, cap]`` value scale and zero. At 2 bits (``cfg.low_bits == 2``): ``kq [Hkv, cap, D/4]``
-    (four codes per byte, :func:`~pask.kv.quant.pack_quads`, ``k' = (code - 2) * scale + zero``) and
-    ``vq [Hkv, D/g, cap, g/4]``; scales and zeros as at 4 bits. Scales and zeros are bf16 (same 2
-    bytes as fp16; the int4 GEMM reads bf16), rounded so the round-trip error stays within
-    ``scale / 2``. Keys are balanced per channel before quantisation (:func:`key_balance`): the codes
-    hold ``k' = (k - mid) / bal`` and ``k = k' * bal + mid``, with ``kbal [Hkv, 2, D]`` (fp32, counted in
-    the held bytes) fixed at the first L write from the keys the H tier then holds (at prefill: the
-    whole prompt).
+    [Hkv, D/g, cap]`` value scale and zero. L2 tier (INT2): ``kq [Hkv, cap, D/4]`` (four codes per
+    byte, :func:`~pask.kv.quant.pack_quads`, ``k' = (code - 2) * scale + zero``) and
+    ``vq [Hkv, D/g, cap, g/4]``; scales and zeros as at 4 bits. A tier allocates nothing until its
+    first token. Scales and zeros are bf16 (same 2 bytes as fp16; the int4 GEMM reads bf16),
+    rounded so the round-trip error stays within ``scale / 2``. Keys are balanced per channel
+    before quantisation (:func:`key_balance`): the codes hold ``k' = (k - mid) / bal`` and
+    ``k = k' * bal + mid``, with ``kbal [Hkv, 2, D]`` (fp32, counted in the held bytes) shared by
+    both low tiers and fixed at the first low-bit write from the keys the H tier then holds (at
+    prefill: the whole prompt).
     """
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, cfg: CacheConfig, stats: CopyStats):
         g = head_dim // cfg.quant_group
         self.group = cfg.quant_group
-        self.bits = check_bits(getattr(cfg, "low_bits", 4))
         self.h = _Tier(
             {"k": _Plain((), (head_dim,), dtype), "v": _Plain((), (head_dim,), dtype)}, heads, device, cfg, stats
         )
-        per_byte = 8 // self.bits
-        low = {
-            "kq": _BlockedCodes(head_dim) if self.bits == 4 else _Plain((), (head_dim // per_byte,), torch.uint8),
-            "ksz": _Plain((g,), (2,), SCALE_DTYPE),
-            "vq": _Plain((g,), (cfg.quant_group // per_byte,), torch.uint8),
-            "vs": _Plain((g,), (), SCALE_DTYPE),
-            "vz": _Plain((g,), (), SCALE_DTYPE),
-        }
-        self.l = _Tier(low, heads, device, cfg, stats, align=BLOCK if self.bits == 4 else 1)
+
+        def low(bits: int) -> _Tier:
+            per_byte = 8 // bits
+            parts = {
+                "kq": _BlockedCodes(head_dim) if bits == 4 else _Plain((), (head_dim // per_byte,), torch.uint8),
+                "ksz": _Plain((g,), (2,), SCALE_DTYPE),
+                "vq": _Plain((g,), (cfg.quant_group // per_byte,), torch.uint8),
+                "vs": _Plain((g,), (), SCALE_DTYPE),
+                "vz": _Plain((g,), (), SCALE_DTYPE),
+            }
+            return _Tier(parts, heads, device, cfg, stats, align=BLOCK if bits == 4 else 1)
+
+        self.l = low(4)
+        self.l2 = low(2)
         self.kbal: torch.Tensor | None = None  # [Hkv, 2, D] fp32: per-channel mid-range, sqrt(range)
         self.balanced = getattr(cfg, "key_balance", True)
-        self.native = getattr(cfg, "native", True)  # bulk INT4 writes by the native kernel where it applies
+        self.native = getattr(cfg, "native", True)  # bulk low-bit writes by the native kernel where they apply
 
     def tier(self, t: int) -> _Tier:
-        return self.h if t == H else self.l
+        """The tier of tier code ``t`` (an :class:`Action` value other than R)."""
+        return self.h if t == H else self.l if t == L else self.l2
 
-    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
-        return pack_pairs(codes) if self.bits == 4 else pack_quads(codes)
+    def low(self, bits: int) -> _Tier:
+        """The low-bit tier of ``bits`` (4: L, 2: L2)."""
+        return self.l if check_bits(bits) == 4 else self.l2
 
-    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        return unpack_pairs(packed) if self.bits == 4 else unpack_quads(packed)
+    def tiers(self) -> tuple[_Tier, _Tier, _Tier]:
+        """H, L, L2."""
+        return self.h, self.l, self.l2
 
-    def append_low(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantise ``k, v [Hkv, n, D]`` (keys balanced per channel) to ``bits`` and append them to the L tier."""
-        if self.kbal is None:
-            self.kbal = key_balance(self.h.view("k") if self.h.n else k)
-            if not self.balanced:  # plain per-token quantisation (ablation): identity balance, not stored
-                self.kbal = torch.stack([torch.zeros_like(self.kbal[:, 0]), torch.ones_like(self.kbal[:, 1])], 1)
+    def ensure_balance(self, k: torch.Tensor) -> None:
+        """Fix the key balance at the first low-bit write (from the H tier's keys, else ``k``)."""
+        if self.kbal is not None:
+            return
+        self.kbal = key_balance(self.h.view("k") if self.h.n else k)
+        if not self.balanced:  # plain per-token quantisation (ablation): identity balance, not stored
+            self.kbal = torch.stack([torch.zeros_like(self.kbal[:, 0]), torch.ones_like(self.kbal[:, 1])], 1)
+
+    def append_low(self, k: torch.Tensor, v: torch.Tensor, bits: int = 4) -> None:
+        """Quantise ``k, v [Hkv, n, D]`` (keys balanced per channel) to ``bits`` and append them to that tier."""
+        self.ensure_balance(k)
         if self.native and k.shape[1] > 1:
             from pask.kv import native_attention  # (imports this module)
 
-            if native_attention.quantize_low(self, k, v):
+            if native_attention.quantize_low(self, k, v, bits):
                 return
         mid, bal = self.kbal[:, 0:1], self.kbal[:, 1:2]
-        b = self.bits
+        b = check_bits(bits)
         kc, ks, kz = quantize_codes((k.float() - mid) / bal, self.group, key_zero_point(b), SCALE_DTYPE, b)
         vc, vs, vz = quantize_codes(v, self.group, 0, SCALE_DTYPE, b)
         ksz = torch.stack([ks, kz], dim=-1).transpose(1, 2)
         heads, n, d = vc.shape
-        vq = self._pack(vc.view(heads, n, d // self.group, self.group)).transpose(1, 2)
+        pack = pack_pairs if b == 4 else pack_quads
+        vq = pack(vc.view(heads, n, d // self.group, self.group)).transpose(1, 2)
         kq = kc if b == 4 else pack_quads(kc)  # the INT4 key part takes unpacked codes (blocked layout)
-        self.l.append(kq=kq, ksz=ksz, vq=vq, vs=vs.transpose(1, 2), vz=vz.transpose(1, 2))
+        self.low(b).append(kq=kq, ksz=ksz, vq=vq, vs=vs.transpose(1, 2), vz=vz.transpose(1, 2))
 
-    def low_kv(self, start: int = 0, stop: int | None = None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantised L-tier keys and values of slots ``[start, stop)``: ``[Hkv, m, D]`` each."""
-        stop = self.l.n if stop is None else stop
-        t = self.l.t
-        if self.bits == 4:
-            slots = torch.arange(start, stop, device=self.l.device)
-            codes = self.l.parts["kq"].read(t["kq"], slots)
-        else:
-            codes = unpack_quads(t["kq"][:, start:stop])
-        sz = t["ksz"][:, :, start:stop].float().transpose(1, 2)  # [Hkv, m, G, 2]
-        zp = key_zero_point(self.bits)
-        k = dequantize_codes(codes, sz[..., 0], sz[..., 1], torch.float32, zero_point=zp)
+    def low_kv(
+        self,
+        start: int = 0,
+        stop: int | None = None,
+        dtype=torch.float32,
+        bits: int = 4,
+        slots: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised keys and values ``[Hkv, m, D]`` of the ``bits`` tier's slots ``[start, stop)``
+        (or of ``slots``, a LongTensor, when given)."""
+        lt = self.low(bits)
+        if slots is None:
+            stop = lt.n if stop is None else stop
+            slots = torch.arange(start, stop, device=lt.device)
+        t = lt.t
+        codes = lt.parts["kq"].read(t["kq"], slots) if bits == 4 else unpack_quads(t["kq"].index_select(1, slots))
+        sz = t["ksz"].index_select(2, slots).float().transpose(1, 2)  # [Hkv, m, G, 2]
+        k = dequantize_codes(codes, sz[..., 0], sz[..., 1], torch.float32, zero_point=key_zero_point(bits))
         k = (k * self.kbal[:, 1:2] + self.kbal[:, 0:1]).to(dtype)
-        vs = t["vs"][:, :, start:stop].transpose(1, 2)
-        vz = t["vz"][:, :, start:stop].transpose(1, 2)
-        vc = self._unpack(t["vq"][:, :, start:stop]).transpose(1, 2).flatten(-2)  # [Hkv, m, D]
+        vs = t["vs"].index_select(2, slots).transpose(1, 2)
+        vz = t["vz"].index_select(2, slots).transpose(1, 2)
+        unpack = unpack_pairs if bits == 4 else unpack_quads
+        vc = unpack(t["vq"].index_select(2, slots)).transpose(1, 2).flatten(-2)  # [Hkv, m, D]
         v = dequantize_codes(vc, vs, vz, dtype)
         return k, v
 
     def balance_bytes(self) -> int:
-        """Bytes of the key balance vectors (0 before the first INT4 write)."""
+        """Bytes of the key balance vectors (0 before the first low-bit write)."""
         if self.kbal is None or not self.balanced:
             return 0
         return self.kbal.numel() * self.kbal.element_size()
+
+    def live_bytes(self) -> int:
+        """Bytes of the live slots of every tier and the key balance."""
+        return sum(t.live_bytes() for t in self.tiers()) + self.balance_bytes()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tier tensor (spare capacity included) and the key balance."""
+        return sum(t.allocated_bytes() for t in self.tiers()) + self.balance_bytes()

@@ -137,10 +137,10 @@ def triton_decode_attention(q: torch.Tensor, store, scaling: float, block_n: int
     hq, _, d = q.shape
     hkv = store.h.heads
     grp = hq // hkv
+    if store.l2.n:
+        raise PaskError("the Triton decode kernel reads the H and INT4 tiers, not INT2 tokens")
     if store.h.n + store.l.n == 0:
         raise PaskError("the sequence holds no K/V")
-    if store.bits != 4:
-        raise PaskError(f"the Triton decode kernel reads an INT4 L tier, not {store.bits}-bit codes")
     dev, dt = q.device, store.h.parts["k"].dtype
     empty_h = torch.zeros(hkv, 1, d, dtype=dt, device=dev)
     kh = store.h.t["k"] if store.h.n else empty_h

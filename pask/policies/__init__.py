@@ -3,7 +3,7 @@
 ``full`` and ``static_mix`` are references; the budget-controlled baselines (each takes a target
 measured budget ``budget`` in (0, 1] and meets it within about ``1 / (2n)``) are ``h2o``,
 ``snapkv``, ``mikv``, ``rocketkv``, ``criticalkv``, ``lazyeviction``, ``kivi-4`` (alias
-``kivi``) and ``kivi-2`` (on a cache whose L tier holds INT2 codes). See
+``kivi``), ``kivi-2`` (the cache's INT2 tier) and ``kivi-mix`` (INT4 or INT2 per layer group). See
 :mod:`pask.policies._common` for the budget arithmetic shared by all of them, and
 :class:`pask.policies.base.Policy` for the protocol every policy implements (``budget``,
 ``target_b``, ``reset``, ...; :class:`~pask.policies.base.PolicyBase` gives the defaults).
@@ -18,7 +18,7 @@ from pask.policies.base import ActionSpec, Policy, PolicyBase, SeqContext
 from pask.policies.criticalkv import CriticalKVPolicy
 from pask.policies.full import FullPolicy
 from pask.policies.h2o import H2OPolicy
-from pask.policies.kivi import KIVIPolicy, kivi_factory
+from pask.policies.kivi import KIVIMixPolicy, KIVIPolicy, kivi_factory
 from pask.policies.lazyeviction import LazyEvictionPolicy
 from pask.policies.mikv import MiKVPolicy
 from pask.policies.pask import PaskPolicy, make_pask_policy
@@ -37,12 +37,13 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {
     "lazyeviction": LazyEvictionPolicy,
     "kivi-4": kivi_factory(4),
     "kivi-2": kivi_factory(2),
+    "kivi-mix": KIVIMixPolicy,
     "pask": make_pask_policy,  # needs ``table`` (a FrozenTable or the path of a table file)
 }
 _ALIASES = {"kivi": "kivi-4"}
 
 #: The budget-controlled baselines (each takes ``budget``).
-BASELINES = ("h2o", "snapkv", "mikv", "rocketkv", "criticalkv", "lazyeviction", "kivi-4", "kivi-2")
+BASELINES = ("h2o", "snapkv", "mikv", "rocketkv", "criticalkv", "lazyeviction", "kivi-4", "kivi-2", "kivi-mix")
 
 
 def register_policy(name: str, factory: Callable[..., Policy]) -> None:
@@ -71,6 +72,7 @@ __all__ = [
     "CriticalKVPolicy",
     "FullPolicy",
     "H2OPolicy",
+    "KIVIMixPolicy",
     "KIVIPolicy",
     "LazyEvictionPolicy",
     "MiKVPolicy",

@@ -1,4 +1,4 @@
-"""The policy protocol: which tier (H / L / R) each token gets, per layer group."""
+"""The policy protocol: which tier (H / L / L2 / R) each token gets, per layer group."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class SeqContext:
     tags: list = field(default_factory=list)  # structural Tag of each generated token so far
     prompt_labels: list | None = None  # PromptLabel of each prompt token (None: task gave none)
     groups: list[range] = field(default_factory=list)  # the model layers of each layer group
-    int4_cost: float = 0.3125  # bytes of an L token (INT4; INT2 in a 2-bit cache) / bytes of an H token (Action.L cost)
+    int4_cost: float = 0.3125  # bytes of an L (INT4) token / bytes of an H token (Action.L cost)
+    int2_cost: float = 0.1875  # bytes of an L2 (INT2) token / bytes of an H token (Action.L2 cost)
     prefill_attention: torch.Tensor | None = None
     prefill_value_norm: torch.Tensor | None = None
     step_attention: torch.Tensor | None = None
@@ -69,8 +70,6 @@ class Policy(Protocol):
 
     ``needs_tags``: the policy reads the structural tags of generated tokens and the labels of
     prompt tokens (PASK), so the caller attaches a tagger and prompt labels to each request.
-    ``low_bits``: the code width of the cache's L tier the policy needs (2 for KIVI-2, 4 for
-    KIVI-4), ``None`` for any (the cache configuration's; see :func:`pask.kv.cache.config_for`).
 
     Statistics the session computes only when asked (see :mod:`pask.kv.stats` for shapes and cost):
     ``prefill_window`` (attention of the last w prompt queries; ``pask.kv.stats.ALL`` for all of
@@ -90,7 +89,6 @@ class Policy(Protocol):
     name: str
     budget: float | None
     needs_tags: bool
-    low_bits: int | None
     prefill_window: int
     prefill_value_norm: bool
     step_attention: bool
@@ -118,14 +116,13 @@ class PolicyBase:
     """Defaults of the :class:`Policy` members, for policies to inherit (no dataclass fields).
 
     A subclass gives ``name``, ``budget`` (``None``: no target) and the two decision methods, and
-    overrides what differs: the statistics it asks for, ``needs_tags``, ``low_bits``, and
+    overrides what differs: the statistics it asks for, ``needs_tags``, and
     :meth:`reset` if it keeps per-sequence state. ``budget`` has no default here on purpose: a
     dataclass field inherits a base class attribute as its default, which would make a required
     ``budget`` optional.
     """
 
     needs_tags: bool = False
-    low_bits: int | None = None
     prefill_window: int = 0
     prefill_value_norm: bool = False
     step_attention: bool = False

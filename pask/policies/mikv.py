@@ -1,4 +1,4 @@
-"""MiKV: important tokens in full precision, the others kept in INT4 instead of evicted."""
+"""MiKV: important tokens in full precision, the others kept in INT4 or INT2 instead of evicted."""
 
 from __future__ import annotations
 
@@ -31,17 +31,19 @@ class MiKVPolicy(AttentionAccumulating):
 
     H2O-style importance (accumulated attention of every query seen, re-ranked after every decode
     step) picks the tokens kept in full precision; every other token is kept in low precision (the
-    cache's INT4 tier: per-token asymmetric, group ``CacheConfig.quant_group`` along head_dim) instead
-    of being evicted. The high-precision count follows from the budget:
-    ``h + c · (n - h) = budget · n`` with ``c`` the INT4 cost (0.3125 for BF16), so the high-precision
-    ratio of Table 8 ({0.1, ..., 0.4}) is ``(budget - c) / (1 - c)``. A token once in INT4 stays there.
+    cache's INT4 tier, or its INT2 tier with ``bits=2``: per-token asymmetric, group
+    ``CacheConfig.quant_group`` along head_dim) instead of being evicted. The high-precision count
+    follows from the budget: ``h + c · (n - h) = budget · n`` with ``c`` the low-bit cost (0.3125 for
+    INT4, 0.1875 for INT2 over BF16), so the high-precision ratio of Table 8 ({0.1, ..., 0.4}) is
+    ``(budget - c) / (1 - c)``. A token once in low precision stays there.
 
     Parameters
     ----------
     budget : float
         Target measured budget B in (0, 1].
     bits : int, default=4
-        Low-precision width. Only 4: the cache has no INT2 tier (Table 8 also lists 2).
+        Low-precision width: 4 (INT4) or 2 (INT2; Table 8 lists both). The frontier sweep runs
+        MiKV at 2 bits, which reaches budgets down to INT2's floor without releasing.
     head_reduce : {"sum", "max", "mean"}, default="sum"
         How the accumulated attention of the (layer, kv head) pairs of a layer group is combined.
 
@@ -68,12 +70,14 @@ class MiKVPolicy(AttentionAccumulating):
 
     def __post_init__(self) -> None:
         self.budget = check_budget(self.budget, self.name)
-        if self.bits != 4:
-            raise PaskError(f"{self.name}: bits must be 4 (the cache has an INT4 tier only), got {self.bits!r}")
+        if self.bits not in (2, 4):
+            raise PaskError(f"{self.name}: bits must be 4 or 2, got {self.bits!r}")
         check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
 
     def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
-        n, c = ctx.length, ctx.int4_cost
+        n = ctx.length
+        c = ctx.int4_cost if self.bits == 4 else ctx.int2_cost
+        low = Action.L if self.bits == 4 else Action.L2
         acc = self._acc[ctx.seq]
         imp = group_scores(acc[..., :n], groups_of(ctx, acc.shape[0]), self.head_reduce)
         tiers = ctx.tiers()
@@ -97,5 +101,5 @@ class MiKVPolicy(AttentionAccumulating):
                 out.append((g, torch.sort(release).values, Action.R))
             demote = rest[t[rest] == H]
             if demote.numel():
-                out.append((g, torch.sort(demote).values, Action.L))
+                out.append((g, torch.sort(demote).values, low))
         return out

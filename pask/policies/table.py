@@ -16,10 +16,10 @@ File format (JSON, ``format_version`` 1)::
       "calibration": {...}
     }
 
-``actions`` maps ``str(Bucket)`` (see :class:`pask.structure.tags.Bucket`) to ``"H"``, ``"L"`` or
-``"R"``. A token whose bucket is not listed -- a tag or label never seen (or too rare to
-measure) on the calibration split, or a token without a tag -- gets ``default_action``, which
-is ``"H"`` unless the calibration chose otherwise: what was not measured is protected.
+``actions`` maps ``str(Bucket)`` (see :class:`pask.structure.tags.Bucket`) to ``"H"`` (BF16), ``"L"``
+(INT4), ``"L2"`` (INT2) or ``"R"`` (release). A token whose bucket is not listed -- a tag or
+label never seen (or too rare to measure) on the calibration split, or a token without a tag --
+gets ``default_action``, which is ``"H"`` unless the calibration chose otherwise: what was not measured is protected.
 ``calibration`` is free-form metadata (cases, split, wall time, sensitivity / distortion values,
 solver trace). A table is tied to the model it was calibrated on: :func:`load` refuses another
 model's fingerprint unless ``allow_transfer=True`` (paper Table 4, "calibration transfer"), in
@@ -39,13 +39,13 @@ from pask.kv.actions import Action
 from pask.structure.tags import Bucket
 
 FORMAT_VERSION = 1
-ACTION_NAMES = ("H", "L", "R")
+ACTION_NAMES = ("H", "L", "L2", "R")
 
 
 def parse_action(name: str) -> Action:
-    """``"H"`` / ``"L"`` / ``"R"`` -> :class:`Action` (PaskError otherwise)."""
+    """``"H"`` / ``"L"`` / ``"L2"`` / ``"R"`` -> :class:`Action` (PaskError otherwise)."""
     if name not in ACTION_NAMES:
-        raise PaskError(f"bad action '{name}' in table: expected one of H, L, R")
+        raise PaskError(f"bad action '{name}' in table: expected one of {', '.join(ACTION_NAMES)}")
     return Action[name]
 
 

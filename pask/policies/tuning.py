@@ -50,6 +50,7 @@ TABLE8_GRIDS: dict[str, dict[str, list]] = {
     "lazyeviction": {"window": [8, 16, 32, 64], "alpha": [1e-5, 1e-4, 3e-4, 1e-3]},
     "kivi-4": {},
     "kivi-2": {},
+    "kivi-mix": {},
 }
 
 EvaluateFn = Callable[[str, float, dict], float | Mapping[str, Any]]

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from pask.kv.budget import Budget
-from pask.kv.cache import CacheConfig, TieredCache, config_for
+from pask.kv.cache import CacheConfig, TieredCache
 from pask.policies.base import Policy
 from pask.runtime.scheduler import Job, Scheduler
 from pask.runtime.session import left_pad
@@ -85,7 +85,7 @@ def decode_with_policy(
         for r, ids in enumerate(input_ids_list)
     ]
     lm = SimpleNamespace(model=model, tokenizer=None)
-    sch = Scheduler(lm, lambda: policy, cache_config=config_for(policy, cache_config or CacheConfig()), keep_last=True)
+    sch = Scheduler(lm, lambda: policy, cache_config=cache_config or CacheConfig(), keep_last=True)
     with torch.no_grad():
         try:
             for job in jobs:

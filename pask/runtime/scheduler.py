@@ -54,7 +54,7 @@ from pask.errors import PaskError
 from pask.kv import stats
 from pask.kv.attention import enable_pask_attention
 from pask.kv.budget import CostModel
-from pask.kv.cache import CacheConfig, TieredCache, config_for
+from pask.kv.cache import CacheConfig, TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.policies.base import Policy
 from pask.runtime.capacity import KVCapacity, kv_bytes_per_token, policy_target_b
@@ -182,7 +182,7 @@ class Scheduler:
                 f"{type(probe).__name__} does not implement the Policy protocol (pask.policies.base.Policy; "
                 "inherit pask.policies.base.PolicyBase for its defaults)"
             )
-        self.config = config_for(probe, cache_config or CacheConfig(headroom=SERVE_HEADROOM))
+        self.config = cache_config or CacheConfig(headroom=SERVE_HEADROOM)
         self.policy_name = probe.name
         self.needs_tags = probe.needs_tags
         self.stats_request = StatsRequest.of(probe)
@@ -200,7 +200,7 @@ class Scheduler:
         self._prev_attn = enable_pask_attention(self.model)
         self.cache = TieredCache(self.model.config, self.config, batch_size=0)
         spec = self.cache.spec
-        self.int4_cost = CostModel(spec.head_dim, self.config.quant_group, dtype, self.config.low_bits).l_ratio
+        self.costs = CostModel(spec.head_dim, self.config.quant_group, dtype)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # running[i] holds row i of the cache
         self.reserved = 0
@@ -357,7 +357,7 @@ class Scheduler:
             job.history,
             [],
             r.prompt_labels,
-            self.int4_cost,
+            self.costs,
             extra,
             seq=job.seq,
         )
@@ -392,7 +392,7 @@ class Scheduler:
             labels = job.request.prompt_labels
             job.decided = decide_row(
                 cache, job.row, job.policy.step_actions, job.decided, job.history, job.tags, labels,
-                self.int4_cost, extra, seq=job.seq,
+                self.costs, extra, seq=job.seq,
             )  # fmt: skip
             job.samples.append(row_budget(cache, job.row)["b_total"])
             job.logits = out.logits[i, -1]

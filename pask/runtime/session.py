@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pask.kv import stats
+from pask.kv.budget import CostModel
 from pask.kv.cache import TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.policies.base import SeqContext
@@ -91,7 +92,7 @@ def decide_row(
     token_ids: list[int],
     tags: list,
     prompt_labels: list | None,
-    int4_cost: float,
+    costs: CostModel,
     extra: dict | None = None,
     seq: int | None = None,
 ) -> int:
@@ -114,7 +115,8 @@ def decide_row(
         tags=tags,
         prompt_labels=prompt_labels,
         groups=cache.groups,
-        int4_cost=int4_cost,
+        int4_cost=costs.l_ratio,
+        int2_cost=costs.l2_ratio,
         tier_fn=lambda: torch.stack([cache.tiers(row, g) for g in range(len(cache.groups))]),
         **(extra or {}),
     )
