@@ -222,28 +222,93 @@ def test_check_tools_rejects(tools, expected):
         check_tools(tools)
 
 
-# BFCL's one tool no JSON value fits: an array property with string enum values (BFCL means the items' enum)
-_BFCL_UNSATISFIABLE = {"extract_parameters_v1"}
-
-
 def test_check_tools_passes_bfcl():
-    """Every BFCL case's tools pass, but one tool whose required property llguidance rejects as well."""
-    import llguidance
-
-    from pask.structure.constraint import lark_json
+    """Every BFCL case's tools pass check_tools, and no parameter is one no value fits (an optional one
+    would be left out of the grammar silently)."""
+    from pask.structure.schema_check import check_json_schema
     from pask.tasks.bfcl_checker import CATEGORIES
-    from pask.tasks.function_calling import _load_category, call_schema
+    from pask.tasks.function_calling import _load_category
 
     rejected = {}
     for category in CATEGORIES:
         for case in _load_category(category):
             try:
                 check_tools(case.tools)
+                for tool in case.tools:
+                    for name, sub in tool["function"]["parameters"]["properties"].items():
+                        check_json_schema(sub, f"tool '{tool['function']['name']}', property '{name}'")
             except PaskError as e:
-                rejected[case.id] = (case, str(e))
-    assert {str(e).split("'")[1] for _, e in rejected.values()} <= _BFCL_UNSATISFIABLE, rejected
-    for case, _ in rejected.values():
-        for tool in case.tools:
-            if tool["function"]["name"] in _BFCL_UNSATISFIABLE:
-                grammar = llguidance.LLMatcher.grammar_from_lark("start: " + lark_json(call_schema(tool)))
-                assert "nsatisfiable" in llguidance.LLMatcher.validate_grammar(grammar)
+                rejected[case.id] = str(e)
+    assert not rejected, rejected
+
+
+def test_enum_on_array_goes_to_items():
+    s = to_json_schema({"type": "array", "enum": ["a", "b"], "description": "d"})
+    assert s == {"type": "array", "description": "d", "items": {"type": "string", "enum": ["a", "b"]}}
+    s = to_json_schema({"type": "list", "enum": [1, 2.5]})
+    assert s["items"] == {"type": "number", "enum": [1, 2.5]}
+    s = to_json_schema({"type": "tuple", "enum": ["a", 1]})  # mixed values: no type for the items
+    assert s == {"type": "array", "items": {"enum": ["a", 1]}}
+
+
+def test_enum_on_array_with_items_keeps_them():
+    doc = {"type": "array", "items": {"type": "string", "description": "a metric"}, "enum": ["buzz", "trust"]}
+    s = to_json_schema(doc)
+    assert "enum" not in s
+    assert s["items"] == {"type": "string", "description": "a metric", "enum": ["buzz", "trust"]}
+    own = {"type": "array", "items": {"type": "string", "enum": ["x"]}, "enum": ["buzz"]}
+    assert to_json_schema(own) == {"type": "array", "items": {"type": "string", "enum": ["x"]}}
+    wrong = {"type": "array", "items": {"type": "integer"}, "enum": ["buzz"]}  # no value fits the items
+    assert to_json_schema(wrong) == {"type": "array", "items": {"type": "integer"}}
+    whole = {"type": "array", "items": {"type": "integer"}, "enum": [[1, 2], [3], "x"]}  # whole-array values
+    assert to_json_schema(whole) == {"type": "array", "items": {"type": "integer"}, "enum": [[1, 2], [3]]}
+
+
+def test_enum_keeps_only_values_of_the_type():
+    # BFCL's integer parameter with string values (live_multiple_560-155-0): no int remains, the enum goes
+    assert to_json_schema({"type": "integer", "enum": ["1", "2", "dontcare"]}) == {"type": "integer"}
+    assert to_json_schema({"type": "integer", "enum": [1, "2", True, 3.5]}) == {"type": "integer", "enum": [1]}
+    assert to_json_schema({"type": "float", "enum": [1, 2.5, "3", False]}) == {"type": "number", "enum": [1, 2.5]}
+    assert to_json_schema({"type": "string", "enum": ["a", 1, None]}) == {"type": "string", "enum": ["a"]}
+    assert to_json_schema({"type": "boolean", "enum": ["True", "False", "dontcare"]}) == {"type": "boolean"}
+    assert to_json_schema({"type": "boolean", "enum": [True]}) == {"type": "boolean", "enum": [True]}
+    assert to_json_schema({"type": "string", "enum": []}) == {"type": "string"}
+    assert to_json_schema({"type": "any", "enum": ["a", 1]}) == {"enum": ["a", 1]}
+    for doc in (
+        {"type": "integer", "enum": ["1"]},
+        {"type": "array", "enum": ["a"]},
+        {"type": "boolean", "enum": ["x"]},
+    ):
+        check_tools([_tool(to_json_schema({"type": "dict", "properties": {"p": doc}, "required": ["p"]}))])
+
+
+def test_bfcl_array_enum_case_is_satisfiable(smol_tokenizer):
+    """live_simple_71-35-0 offers an array whose enum names the elements: its grammar compiles, a call
+    with listed elements fits the schema and the grammar, and one with another element fits neither."""
+    import jsonschema
+
+    from pask.runtime.tokens import eos_ids
+    from pask.tasks.function_calling import find_case
+
+    case = find_case("live_simple_71-35-0")
+    (tool,) = case.tools
+    params = tool["function"]["parameters"]
+    assert params["properties"]["metrics"]["items"]["enum"][:2] == ["favorability", "admired employer"]
+    check_tools(case.tools)
+    args = {"demographics": ["millennials"], "targets": ["brand:Apple"], "metrics": ["view"], "min_date": "2022-07-01"}
+    jsonschema.validate(args, params)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**args, "metrics": ["popularity"]}, params)
+
+    tok = smol_tokenizer
+    llt = ll_tokenizer(tok, eos_ids(tok))
+    grammar = build_grammar(case.tools, tok)
+    c = Constraint(llt, grammar)
+    for t in tok(_call_text(case), add_special_tokens=False)["input_ids"]:
+        c.consume(t)
+    assert c.is_accepting()
+    bad = json.dumps({"name": tool["function"]["name"], "arguments": {**args, "metrics": ["popularity"]}})
+    c = Constraint(llt, grammar)
+    with pytest.raises(SchemaError):
+        for t in tok(f"<tool_call>\n{bad}\n</tool_call>\n", add_special_tokens=False)["input_ids"]:
+            c.consume(t)

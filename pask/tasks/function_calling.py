@@ -73,8 +73,54 @@ def legal_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", name.replace(".", "_"))
 
 
+def _fits(value: object, json_type: str) -> bool:
+    """Whether a JSON value is an instance of a JSON Schema type (a bool is not an integer)."""
+    if json_type == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if json_type == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    python = {"string": str, "boolean": bool, "array": list, "object": dict}.get(json_type)
+    return python is None or isinstance(value, python)
+
+
+def _type_of(values: list) -> str | None:
+    """The one JSON Schema type all ``values`` share (``number`` for ints and floats), or None."""
+    for json_type in ("boolean", "integer", "number", "string", "array", "object"):
+        if values and all(_fits(v, json_type) for v in values):
+            return json_type
+    return None
+
+
+def _fit_enum(schema: dict) -> None:
+    """Keep only the ``enum`` values of ``schema``'s type; drop the enum when none (or no values) remain."""
+    if "enum" not in schema:
+        return
+    values = schema["enum"] if isinstance(schema["enum"], list) else []
+    if "type" in schema:
+        values = [v for v in values if _fits(v, schema["type"])]
+    if values:
+        schema["enum"] = values
+    else:
+        del schema["enum"]
+
+
 def to_json_schema(node: dict | None) -> dict:
-    """Convert a BFCL parameter doc to JSON Schema (dict→object, float→number, tuple→array, any→{})."""
+    """Convert a BFCL parameter doc to JSON Schema (dict→object, float→number, tuple→array, any→{}).
+
+    BFCL's ``enum`` is made satisfiable, as BFCL's own type rules read it:
+
+    * on an array, string (non-list) values name what each *element* may be: the enum moves to
+      ``items`` (``{"type": "array", "enum": ["a", "b"]}`` → ``{"type": "array", "items":
+      {"type": "string", "enum": ["a", "b"]}}``). A given ``items`` schema is kept and gets the
+      enum, unless it has an enum of its own (kept instead); an ``items`` without a type gets the
+      type all the values share. List values are whole-array values and stay on the array
+      (other values are then dropped);
+    * on any other typed parameter only the values of its type stay (an ``integer`` keeps its
+      ints, not bools; a ``number`` its ints and floats; a ``string`` its strings; a ``boolean``
+      its bools, so BFCL's ``["True", "False", "dontcare"]`` goes), and the enum is dropped when
+      none remain (the parameter then takes any value of its type), as is an empty enum;
+    * an untyped (``any``) parameter keeps its enum as given, mixed types included.
+    """
     if not isinstance(node, dict):
         return {}
     out: dict = {}
@@ -91,7 +137,7 @@ def to_json_schema(node: dict | None) -> dict:
             out[key] = node[key]
     if "default" in node and node.get("default") is not None:
         out["default"] = node["default"]
-    if (out.get("type") == "array" or t == "tuple") and "items" in node:
+    if out.get("type") == "array" and "items" in node:
         out["items"] = to_json_schema(node["items"])
     if out.get("type") == "object" and "properties" in node:
         props = node["properties"] or {}
@@ -99,8 +145,17 @@ def to_json_schema(node: dict | None) -> dict:
         req = [r for r in node.get("required", []) if r in props]
         out["required"] = req
         out["additionalProperties"] = False
-    if "enum" in out and out.get("type") == "integer":
-        out["enum"] = [e for e in out["enum"] if isinstance(e, int)] or out.pop("enum")
+    if out.get("type") == "array" and isinstance(out.get("enum"), list):
+        values = out["enum"]
+        if not any(isinstance(v, list) for v in values):  # element values: they belong on the items
+            del out["enum"]
+            items = out.setdefault("items", {})
+            if "enum" not in items and values:
+                items["enum"] = values
+                if "type" not in items and _type_of(values) is not None:
+                    items["type"] = _type_of(values)
+                _fit_enum(items)
+    _fit_enum(out)
     return out
 
 
