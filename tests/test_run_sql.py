@@ -117,6 +117,7 @@ def test_check_and_summary_layout():
     assert SQL.check(case, Output("", "schema_error", error="schema_error: x")) == {
         "correct": False,
         "error": "schema_error: x",
+        "gold_empty": False,
     }
     rows = [
         {

@@ -101,7 +101,7 @@ def test_the_cap_is_the_case_rows_error(db: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(sql_task, "database", lambda db_id, data_dir=None: type("Db", (), {"path": db})())
     case = Case(id="dev-0000", db_id="caps", question="?", gold_sql="SELECT a FROM t", difficulty="easy")
     row = sql_task.SqlTask().check(case, Output(cross_join(5), "grammar"))
-    assert row == {"correct": False, "error": f"result over {MAX_ROWS} rows"}
+    assert row == {"correct": False, "error": f"result over {MAX_ROWS} rows", "gold_empty": False}
     rows = [{**row, "difficulty": "easy", "stop_reason": "grammar", "budget": None}]
     assert sql_task.summarize(rows)["overall"]["exec_errors"] == 1
 

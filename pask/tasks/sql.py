@@ -4,7 +4,9 @@ A case's prompt is its database's schema as DDL plus the question, through the c
 (:mod:`pask.tasks.sql_prompt`); decoding is constrained by that database's SELECT grammar
 (:mod:`pask.structure.sql_grammar`); the generated query is scored by execution accuracy on a
 read-only connection with a 30 s timeout (:mod:`pask.tasks.sql_exec`, BIRD's rule). Summaries
-give EX per Spider difficulty (easy / medium / hard / extra) and overall.
+give EX per Spider difficulty (easy / medium / hard / extra) and overall, and overall EX over the
+cases whose gold query returns rows (``ex_nonempty_gold``): on a case whose gold result is empty,
+any prediction that returns no rows scores correct (36 of the 407 test cases).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pask.errors import PaskError
+from pask.evaluation.case_rows import read_done
 from pask.structure.prompt_labels import label_sql_prompt
 from pask.structure.sql_grammar import sql_grammar
 from pask.structure.sql_schema import Schema
@@ -22,7 +25,7 @@ from pask.structure.sql_scope import ScopedConstraint
 from pask.structure.sql_tagger import SqlTagger
 from pask.tasks.base import Output, Task, TaskRequest, measured_budgets, table_lines
 from pask.tasks.spider_hardness import LEVELS
-from pask.tasks.sql_exec import DEFAULT_TIMEOUT_S, execution_match
+from pask.tasks.sql_exec import DEFAULT_TIMEOUT_S, execution_match, gold_is_empty
 from pask.tasks.sql_prompt import DdlSpan, build_messages, schema_ddl
 from pask.tasks.text_to_sql import (
     DEFAULT_DATA_DIR,
@@ -106,10 +109,22 @@ def _levels(rows: list[dict]) -> tuple[str, ...]:
     return (*LEVELS, UNRATED) if any(r["difficulty"] == UNRATED for r in rows) else LEVELS
 
 
+def _gold_empty_fields(rows: list[dict]) -> dict:
+    """``gold_empty``: how many cases' gold query returns no rows; ``ex_nonempty_gold``: EX (%) over
+    the others. Both None when a row lacks a boolean ``gold_empty`` (rows of cells made before it was
+    recorded: :func:`with_gold_empty` fills it in by running the gold queries)."""
+    if any(not isinstance(r.get("gold_empty"), bool) for r in rows):
+        return {"gold_empty": None, "ex_nonempty_gold": None}
+    rest = _bucket([r for r in rows if not r["gold_empty"]])
+    return {"gold_empty": len(rows) - rest["n"], "ex_nonempty_gold": rest["ex"]}
+
+
 def summarize(rows: list[dict]) -> dict:
-    """EX (%) per difficulty and overall, failure counts and the measured budget."""
+    """EX (%) per difficulty and overall, overall EX over the cases whose gold query returns rows,
+    failure counts and the measured budget."""
     levels = {d: _bucket([r for r in rows if r["difficulty"] == d]) for d in _levels(rows)}
     overall = _bucket(rows)
+    overall.update(_gold_empty_fields(rows))
     overall["exec_errors"] = sum(r["error"] is not None and r["stop_reason"] != "schema_error" for r in rows)
     overall["truncated"] = sum(r["stop_reason"] == "length" for r in rows)
     overall["schema_errors"] = sum(r["stop_reason"] == "schema_error" for r in rows)
@@ -117,29 +132,70 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def table_markdown(summary: dict, meta: dict | None = None) -> str:
-    """Markdown in the layout of the paper's Table 12 (EX per difficulty + Overall, measured B)."""
+    """Markdown in the layout of the paper's Table 12 (EX per difficulty + Overall, measured B), and
+    overall EX over the cases whose gold query returns rows (``–`` when the rows do not say)."""
     meta = meta or {}
     levels = summary["difficulties"]
-    head = ["Model", "Method", "B", *[f"{d.capitalize()} EX" for d in levels], "Overall EX"]
+    o = summary["overall"]
+    head = ["Model", "Method", "B", *[f"{d.capitalize()} EX" for d in levels], "Overall EX", "EX (gold ≠ ∅)"]
 
-    def ex(b: dict) -> str:
-        return "–" if b["ex"] is None else f"{b['ex']:.2f}"
+    def pct(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}"
 
+    empty = o.get("gold_empty")
     cells = [
         meta.get("model", "?"),
         meta.get("policy", "?"),
         f"{summary['measured_b']:.3f}",
-        *[ex(levels[d]) for d in levels],
-        ex(summary["overall"]),
+        *[pct(levels[d]["ex"]) for d in levels],
+        pct(o["ex"]),
+        pct(o.get("ex_nonempty_gold")),
     ]
-    ns = ["", "", "n", *[str(levels[d]["n"]) for d in levels], str(summary["overall"]["n"])]
+    n_rest = "–" if empty is None else str(o["n"] - empty)
+    ns = ["", "", "n", *[str(levels[d]["n"]) for d in levels], str(o["n"]), n_rest]
     lines = table_lines(head, cells, ns, meta)
-    o = summary["overall"]
     lines.append(
         f"Correct: {o['correct']}/{o['n']}; execution errors: {o['exec_errors']}; "
         f"truncated at max_new_tokens: {o['truncated']}; schema errors: {o['schema_errors']}."
     )
+    if empty is not None:
+        lines.append(
+            f"Gold query returns no rows in {empty}/{o['n']} cases (any empty prediction scores correct there); "
+            "EX (gold ≠ ∅) leaves them out."
+        )
     return "\n".join(lines) + "\n"
+
+
+def with_gold_empty(rows: list[dict], data_dir: Path | str | None = None) -> list[dict]:
+    """``rows`` (case rows of a ``pask eval sql`` cell), each with ``gold_empty`` filled in where it
+    is missing, by running its case's gold query on its database (cached per query; no model runs).
+
+    For cells made before ``gold_empty`` was recorded: ``summarize(with_gold_empty(rows))`` gives EX
+    both ways. ``data_dir``: the cell's text-to-SQL data (default: the bundled Spider dev).
+    :class:`PaskError` for a row whose id is not a case of ``data_dir``.
+    """
+    if all(isinstance(r.get("gold_empty"), bool) for r in rows):
+        return list(rows)
+    gold = {c.id: c for c in load_cases(data_dir)}
+    out = []
+    for r in rows:
+        if not isinstance(r.get("gold_empty"), bool):
+            case = gold.get(r["id"])
+            if case is None or case.db_id != r["db_id"]:
+                raise PaskError(f"case {r['id']} (db {r['db_id']}) is not a question of the text-to-SQL data")
+            r = {**r, "gold_empty": gold_is_empty(database(case.db_id, data_dir).path, case.gold_sql)}
+        out.append(r)
+    return out
+
+
+def read_cell_rows(cell: Path | str, data_dir: Path | str | None = None) -> list[dict]:
+    """The finished case rows of a cell folder's ``cases.jsonl`` (one per case id, a torn last line
+    ignored: :func:`~pask.evaluation.case_rows.read_done`), with ``gold_empty`` filled in
+    (:func:`with_gold_empty`)."""
+    path = Path(cell) / "cases.jsonl"
+    if not path.is_file():
+        raise PaskError(f"no cases.jsonl in {cell}")
+    return with_gold_empty(list(read_done(path).values()), data_dir)
 
 
 def check_scope_option(value: Any) -> bool:
@@ -203,14 +259,18 @@ class SqlTask(Task):
         return {"id": case.id, "db_id": case.db_id, "difficulty": case.difficulty}
 
     def check(self, case: Case, output: Output, data_dir: Path | str | None = None, sql_scope: str = "on") -> dict:
-        """Execute the generated query and the gold one on the case's database; EX by BIRD's rule."""
-        if output.error is not None:
-            return {"correct": False, "error": output.error}
+        """Execute the generated query and the gold one on the case's database; EX by BIRD's rule.
+
+        ``gold_empty``: the gold query returned no rows (from the same run of it; for a case without
+        a query to compare, the gold query runs alone)."""
+        path = database(case.db_id, data_dir).path
         sql = output.text.strip()
-        if not sql:
-            return {"correct": False, "error": "empty output"}
-        res = execution_match(database(case.db_id, data_dir).path, sql, case.gold_sql, DEFAULT_TIMEOUT_S)
-        return {"correct": res.correct, "error": res.error}
+        if output.error is not None or not sql:
+            error = output.error if output.error is not None else "empty output"
+            empty = gold_is_empty(path, case.gold_sql, DEFAULT_TIMEOUT_S)
+            return {"correct": False, "error": error, "gold_empty": empty}
+        res = execution_match(path, sql, case.gold_sql, DEFAULT_TIMEOUT_S)
+        return {"correct": res.correct, "error": res.error, "gold_empty": res.gold_empty}
 
     def summarize(self, rows: list[dict]) -> dict:
         return summarize(rows)
@@ -222,4 +282,14 @@ class SqlTask(Task):
         return case.difficulty
 
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "Database", "SqlTask", "database", "select_cases", "summarize", "table_markdown"]
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "Database",
+    "SqlTask",
+    "database",
+    "read_cell_rows",
+    "select_cases",
+    "summarize",
+    "table_markdown",
+    "with_gold_empty",
+]

@@ -16,6 +16,10 @@ instructions, also while rows are fetched). A gold query whose result goes over 
 out of memory) is not an error of the data: the case is recorded as not compared
 (``"gold query result over ...: not compared"``, scored 0) instead of stopping the evaluation.
 
+``ExecResult.gold_empty`` says whether the gold query returned no rows: any prediction that also
+returns none (a wrong WHERE clause, say) scores correct on such a case, so EX is reported with and
+without them (:func:`pask.tasks.sql.summarize`). A gold result over a cap counts as non-empty.
+
 Both queries run on a connection opened with ``mode=ro`` and ``PRAGMA query_only=ON``, with
 ATTACH disabled (it would open or create other files read-write) and an authorizer that allows
 only reading: SELECT, column reads, function calls and recursive CTEs. Text is decoded as UTF-8
@@ -31,6 +35,7 @@ import sqlite3
 import sys
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from pask.errors import PaskError
@@ -50,10 +55,12 @@ _ALLOWED_ACTIONS = frozenset(
 
 @dataclass(frozen=True)
 class ExecResult:
-    """``correct``: the prediction's rows match; ``error``: why it was not compared, else None."""
+    """``correct``: the prediction's rows match; ``error``: why it was not compared, else None;
+    ``gold_empty``: the gold query returned no rows (None where the gold query did not run)."""
 
     correct: bool
     error: str | None = None
+    gold_empty: bool | None = None
 
 
 class QueryFailed(Exception):
@@ -144,19 +151,49 @@ def execution_match(
     """Score ``pred_sql`` against ``gold_sql`` on the SQLite file ``path``.
 
     A gold query that fails or times out raises :class:`PaskError`; one whose result goes over a
-    cap gives ``ExecResult(False, "gold query result over ...: not compared")``.
+    cap gives ``ExecResult(False, "gold query result over ...: not compared", gold_empty=False)``.
+    The gold query runs once; the result's ``gold_empty`` comes from that run.
     """
-    try:
-        gold_rows = run_query(path, gold_sql, timeout_s, max_rows, max_bytes)
-    except QueryFailed as e:
-        if e.kind == "cap":
-            return ExecResult(False, f"gold query {e}: not compared")
-        raise PaskError(f"gold query fails on {path}: {e}\n  {gold_sql}") from e
+    gold_rows, not_compared = _gold_rows(path, gold_sql, timeout_s, max_rows, max_bytes)
+    if not_compared is not None:
+        return ExecResult(False, not_compared, gold_empty=False)
+    gold_empty = not gold_rows
     try:
         pred_rows = run_query(path, pred_sql, timeout_s, max_rows, max_bytes)
     except QueryFailed as e:
-        return ExecResult(False, str(e))
-    return ExecResult(rows_match(pred_rows, gold_rows))
+        return ExecResult(False, str(e), gold_empty)
+    return ExecResult(rows_match(pred_rows, gold_rows), None, gold_empty)
+
+
+def _gold_rows(
+    path: Path, gold_sql: str, timeout_s: float, max_rows: int, max_bytes: int
+) -> tuple[list[tuple], str | None]:
+    """The gold query's rows, or ``([], "gold query ...: not compared")`` when its result went over a
+    cap; :class:`PaskError` when it fails or times out (the data, not the prediction, is wrong)."""
+    try:
+        return run_query(path, gold_sql, timeout_s, max_rows, max_bytes), None
+    except QueryFailed as e:
+        if e.kind == "cap":
+            return [], f"gold query {e}: not compared"
+        raise PaskError(f"gold query fails on {path}: {e}\n  {gold_sql}") from e
+
+
+@lru_cache(maxsize=4096)
+def gold_is_empty(
+    path: Path,
+    gold_sql: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_rows: int = MAX_ROWS,
+    max_bytes: int = MAX_BYTES,
+) -> bool:
+    """Whether ``gold_sql`` returns no rows on ``path`` (one run per query and file: cached).
+
+    For cases that have no prediction to compare (and for rows of cells made before ``gold_empty``
+    was recorded); a result over a cap is non-empty, a failing gold query raises :class:`PaskError`
+    as in :func:`execution_match`.
+    """
+    rows, not_compared = _gold_rows(path, gold_sql, timeout_s, max_rows, max_bytes)
+    return not_compared is None and not rows
 
 
 def execution_accuracy(
