@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from pask.errors import PaskError
+from pask.evaluation.case_rows import read_done
 from pask.tasks import Output, get_task
-from pask.tasks.sql import database, read_cell_rows, select_cases, summarize, table_markdown, with_gold_empty
+from pask.tasks.sql import database, select_cases, summarize, table_markdown, with_gold_empty
 from pask.tasks.sql_exec import execution_match, gold_is_empty
 from pask.tasks.text_to_sql import db_path
 
@@ -136,7 +137,8 @@ def test_with_gold_empty_fills_old_rows(test_cases, tmp_path: Path) -> None:
     kept = [{**filled[0], "gold_empty": False}]  # a recorded value is not recomputed
     assert with_gold_empty(kept)[0]["gold_empty"] is False
     (tmp_path / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old) + '{"id": "torn')
-    assert [r["gold_empty"] for r in read_cell_rows(tmp_path)] == [True, False]
+    done = list(read_done(tmp_path / "cases.jsonl").values())  # a committed cell's rows
+    assert [r["gold_empty"] for r in with_gold_empty(done)] == [True, False]
     with pytest.raises(PaskError, match="not a question"):
         with_gold_empty([{**old[0], "id": "dev-99999"}])
     with pytest.raises(PaskError, match="not a question"):

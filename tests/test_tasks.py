@@ -246,7 +246,9 @@ def test_error_rows_of_the_builtin_tasks():
         "prompt_labels": None,
     }
     assert list(row) == list(row.keys())  # key order is the JSONL's
-    sql_case = SimpleNamespace(id="dev-0001", db_id="concert_singer", difficulty="easy")
+    sql_case = SimpleNamespace(
+        id="dev-0001", db_id="concert_singer", difficulty="easy", gold_sql="SELECT count(*) FROM singer"
+    )
     row = error_row(get_task("sql"), sql_case, req, "schema_error: y")
     assert list(row) == [
         "id",
@@ -256,6 +258,7 @@ def test_error_rows_of_the_builtin_tasks():
         "output",
         "correct",
         "error",
+        "gold_empty",
         "stop_reason",
         "n_generated",
         *TIMING,
@@ -264,6 +267,7 @@ def test_error_rows_of_the_builtin_tasks():
         "prompt_labels",
     ]
     assert (row["correct"], row["error"], row["stop_reason"]) == (False, "schema_error: y", "schema_error")
+    assert row["gold_empty"] is False  # the gold query returns a row: an error row still records it
 
 
 def test_bfcl_check_of_outputs():

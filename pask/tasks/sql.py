@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pask.errors import PaskError
-from pask.evaluation.case_rows import read_done
 from pask.structure.prompt_labels import label_sql_prompt
 from pask.structure.sql_grammar import sql_grammar
 from pask.structure.sql_schema import Schema
@@ -188,16 +187,6 @@ def with_gold_empty(rows: list[dict], data_dir: Path | str | None = None) -> lis
     return out
 
 
-def read_cell_rows(cell: Path | str, data_dir: Path | str | None = None) -> list[dict]:
-    """The finished case rows of a cell folder's ``cases.jsonl`` (one per case id, a torn last line
-    ignored: :func:`~pask.evaluation.case_rows.read_done`), with ``gold_empty`` filled in
-    (:func:`with_gold_empty`)."""
-    path = Path(cell) / "cases.jsonl"
-    if not path.is_file():
-        raise PaskError(f"no cases.jsonl in {cell}")
-    return with_gold_empty(list(read_done(path).values()), data_dir)
-
-
 def check_scope_option(value: Any) -> bool:
     """``on`` / ``off`` (also true / false) as a bool; PaskError otherwise."""
     if isinstance(value, bool):
@@ -287,7 +276,6 @@ __all__ = [
     "Database",
     "SqlTask",
     "database",
-    "read_cell_rows",
     "select_cases",
     "summarize",
     "table_markdown",
