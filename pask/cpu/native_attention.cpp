@@ -1148,7 +1148,20 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
 }
 #endif
 
-// The INT2 tier: token-major codes, scored one token at a time (no blocked layout).
+// Four 2-bit codes of one byte as floats (code i at bits 2i): the INT2 value unpack is one 16-byte copy
+// per byte.
+struct Quads {
+  alignas(64) float f[256][4];
+  Quads() {
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < 4; ++i) f[b][i] = static_cast<float>((b >> (2 * i)) & 3);
+  }
+};
+const Quads kQuads;
+
+// The INT2 tier: token-major codes. Keys: a block's code bytes are transposed (byte j of every token
+// in one row), so each channel's codes unpack and score BT tokens at a time without horizontal sums;
+// values: each byte unpacks through kQuads into the interleaved accumulator.
 void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap;
@@ -1158,33 +1171,45 @@ void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, 
   const auto& qs = L.qs;
   const auto& qsum = L.qsum;
   const auto& cst = L.cst;
-  alignas(64) float kc[MAXD];
+  alignas(64) uint8_t bt[MAXD / 4][BT];
+  alignas(64) float a[MAXR][BT];
+  alignas(64) float codes[BT];
+  alignas(64) float scl[BT], off[BT];
   alignas(64) float vc[QG];
   for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
     const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
     for (int t = 0; t < nt; ++t) {
-      const int64_t slot = t0 + t;
-      const uint8_t* row = KQ + slot * (D / 4);
-      for (int j = 0; j < D / 4; ++j) {
-        const uint8_t b = row[j];
-        kc[4 * j] = static_cast<float>(b & 3);
-        kc[4 * j + 1] = static_cast<float>((b >> 2) & 3);
-        kc[4 * j + 2] = static_cast<float>((b >> 4) & 3);
-        kc[4 * j + 3] = static_cast<float>(b >> 6);
+      const uint8_t* row = KQ + (t0 + t) * (D / 4);
+      for (int j = 0; j < D / 4; ++j) bt[j][t] = row[j];
+    }
+    for (int j = 0; j < D / 4; ++j) std::fill(bt[j] + nt, bt[j] + BT, uint8_t{0});
+    for (int r = 0; r < grp; ++r)
+      for (int t = 0; t < BT; ++t) st.sc[r][t] = cst[r];
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
+      for (int t = 0; t < nt; ++t) {
+        scl[t] = bf2f(sz[2 * t]);
+        off[t] = bf2f(sz[2 * t + 1]) - 2.0f * scl[t];
       }
-      for (int r = 0; r < grp; ++r) st.sc[r][t] = cst[r];
-      for (int g = 0; g < G; ++g) {
-        const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + slot) * 2;
-        const float scl = bf2f(sz[0]);
-        const float off = bf2f(sz[1]) - 2.0f * scl;
+      std::fill(scl + nt, scl + BT, 0.0f);  // past nt: finite scores, weight 0 after absorb
+      std::fill(off + nt, off + BT, 0.0f);
+      for (int r = 0; r < grp; ++r) std::fill(a[r], a[r] + BT, 0.0f);
+      for (int d = g * QG; d < (g + 1) * QG; ++d) {
+        const uint8_t* row = bt[d >> 2];
+        const int sh = 2 * (d & 3);
+#pragma omp simd
+        for (int t = 0; t < BT; ++t) codes[t] = static_cast<float>((row[t] >> sh) & 3);
         for (int r = 0; r < grp; ++r) {
-          const float* q = qs[r] + g * QG;
-          const float* c = kc + g * QG;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < QG; ++d) dot += q[d] * c[d];
-          st.sc[r][t] += scl * dot + off * qsum[g][r];
+          const float q = qs[r][d];
+          float* ar = a[r];
+#pragma omp simd
+          for (int t = 0; t < BT; ++t) ar[t] += q * codes[t];
         }
+      }
+      for (int r = 0; r < grp; ++r) {
+        const float qg = qsum[g][r];
+#pragma omp simd
+        for (int t = 0; t < BT; ++t) st.sc[r][t] += scl[t] * a[r][t] + off[t] * qg;
       }
     }
     st.absorb(nt);
@@ -1192,19 +1217,14 @@ void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, 
       const int64_t base = static_cast<int64_t>(g) * cap + t0;
       for (int t = 0; t < nt; ++t) {
         const uint8_t* b = VQ + (base + t) * (QG / 4);
-        for (int j = 0; j < QG / 4; ++j) {
-          vc[4 * j] = static_cast<float>(b[j] & 3);
-          vc[4 * j + 1] = static_cast<float>((b[j] >> 2) & 3);
-          vc[4 * j + 2] = static_cast<float>((b[j] >> 4) & 3);
-          vc[4 * j + 3] = static_cast<float>(b[j] >> 6);
-        }
+        for (int j = 0; j < QG / 4; ++j) std::memcpy(vc + 4 * j, kQuads.f[b[j]], sizeof(kQuads.f[0]));
         const float vsf = bf2f(VS[base + t]), vzf = bf2f(VZ[base + t]);
         for (int r = 0; r < grp; ++r) {
           const float p = st.sc[r][t];
           const float w = p * vsf;
-          float* a = st.acc[r] + g * QG;
+          float* acc = st.acc[r] + g * QG;
 #pragma omp simd
-          for (int j = 0; j < QG; ++j) a[j] += w * vc[j];
+          for (int j = 0; j < QG; ++j) acc[j] += w * vc[j];
           st.zs[r][g] += p * vzf;
         }
       }
