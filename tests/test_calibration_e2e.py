@@ -173,3 +173,31 @@ def test_allowed_distortion_scope_measures_only_what_the_floors_allow(smol, tmp_
     assert table.calibration["distortion_scope"] == "allowed"
     with pytest.raises(PaskError, match="distortion scope"):
         calibrate(smol, buckets=[f"{a}|g0"], distortion_scope="some", **kw)
+
+
+def _capture_with(steps):
+    from pask.calibration.distortion import AttnCapture
+
+    cap = AttnCapture.__new__(AttnCapture)
+    cap.projs = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]  # two layers, hidden 2
+    cap.steps = steps
+    return cap
+
+
+def test_capture_per_row_follows_rows_leaving_the_batch():
+    """Continuous decoding drops finished rows from the batch: row r's place is its rank among the
+    rows still decoding (rows 0..2 decode 3, 1 and 2 steps here)."""
+
+    def step(ids):  # each captured row holds its row id, so misalignment shows
+        x = torch.tensor([[float(i), float(i)] for i in ids])
+        return [x, x + 10]
+
+    cap = _capture_with([step([0, 1, 2]), step([0, 2]), step([0])])
+    out = cap.per_row([3, 1, 2])
+    assert [o.shape[0] for o in out] == [3, 1, 2]
+    for r, o in enumerate(out):
+        assert bool((o[:, 0, :] == r).all()) and bool((o[:, 1, :] == r + 10).all())
+    full = _capture_with([step([0, 1, 2]), step([0, 1, 2])]).per_row([2, 1, 2])  # finished rows stayed
+    assert [float(o[-1, 0, 0]) for o in full] == [0.0, 1.0, 2.0]
+    with pytest.raises(RuntimeError, match="captured 2 rows"):
+        _capture_with([step([0, 1, 2]), step([0, 1])]).per_row([2, 2, 2])

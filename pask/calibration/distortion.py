@@ -77,12 +77,30 @@ class AttnCapture:
         self.handles = []
 
     def per_row(self, n_steps: list[int]) -> list[torch.Tensor]:
-        """Row ``r``'s captures of its first ``n_steps[r]`` decode steps: ``[n, layers, hidden]``."""
-        out = []
+        """Row ``r``'s captures of its first ``n_steps[r]`` decode steps: ``[n, layers, hidden]``.
+
+        A step's batch holds either every row, or only the rows still decoding (finished rows leave
+        the batch, the others keep their order): row ``r``'s place is then its rank among the rows
+        with ``n_steps > t``. Any other batch size is an error, never a silent misalignment."""
         for r, n in enumerate(n_steps):
             if n > len(self.steps):
                 raise RuntimeError(f"row {r} needs {n} decode steps, only {len(self.steps)} were captured")
-            rows = [torch.stack([layer[r] for layer in self.steps[t]]) for t in range(n)]
+        place: list[dict[int, int]] = []
+        for t, step in enumerate(self.steps):
+            live = [r for r, n in enumerate(n_steps) if n > t]
+            size = step[0].shape[0]
+            if size == len(n_steps):
+                place.append({r: r for r in live})
+            elif size == len(live):
+                place.append({r: i for i, r in enumerate(live)})
+            else:
+                raise RuntimeError(
+                    f"decode step {t} captured {size} rows; expected {len(n_steps)} (all) "
+                    f"or {len(live)} (still decoding)"
+                )
+        out = []
+        for r, n in enumerate(n_steps):
+            rows = [torch.stack([layer[place[t][r]] for layer in self.steps[t]]) for t in range(n)]
             hidden = len(self.projs), self.projs[0].in_features
             out.append(torch.stack(rows) if rows else torch.empty((0, *hidden)))
         return out
