@@ -193,6 +193,29 @@ def test_pask_cells_build_the_table_policy(tmp_path, fake, smol):
         parse_config(data, tmp_path)
 
 
+def test_pask_3a_cells_take_their_own_three_action_table(tmp_path, fake):
+    """pask-3a reads "pask-3a@<budget>" (never the pask table) and refuses a table that uses INT2."""
+    from pask.policies.table import FrozenTable
+
+    four = FrozenTable(actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2)
+    three = FrozenTable(actions={"P|schema_scaffold|g0": "L"}, fingerprint="x", target_b=0.2)
+    four.save(tmp_path / "t4.json")
+    three.save(tmp_path / "t3.json")
+    data = fake_config(tmp_path, policies=["pask", "pask-3a"], budgets=[0.2])
+    data["fake"] = {"n": 4, "tables": {"smollm2-135m": {"0.2": "t4.json", "pask-3a@0.2": "t3.json"}}}
+    cells = {c.policy: c for c in parse_config(data, tmp_path).cells}
+    assert Path(cells["pask"].table).name == "t4.json" and Path(cells["pask-3a"].table).name == "t3.json"
+    data["fake"]["tables"]["smollm2-135m"]["pask-3a@0.2"] = "t4.json"
+    with pytest.raises(PaskError, match="pask-3a needs a three-action table"):
+        parse_config(data, tmp_path)
+    del data["fake"]["tables"]["smollm2-135m"]["pask-3a@0.2"]
+    with pytest.raises(PaskError, match=r'"pask-3a@0\.2" = "FILE"'):
+        parse_config(data, tmp_path)
+    data["fake"]["tables"]["smollm2-135m"]["h2o@0.2"] = "t3.json"
+    with pytest.raises(PaskError, match="only pask-3a take"):
+        parse_config(data, tmp_path)
+
+
 # -- running: resume, skip, refuse ------------------------------------------------------------------
 def rows_of(cell_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (cell_dir / "cases.jsonl").read_text().splitlines()]

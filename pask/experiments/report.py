@@ -37,6 +37,7 @@ from pask.tasks.spider_hardness import LEVELS
 METHODS = {
     "full": "Full KV",
     "pask": "PASK",
+    "pask-3a": "PASK (3 actions)",
     "pask-prefill": "PASK (prefill only)",
     "pask-decode": "PASK (decode only)",
     "h2o": "H2O",
@@ -47,6 +48,7 @@ METHODS = {
     "lazyeviction": "LazyEviction",
     "kivi-4": "KIVI-4",
     "kivi-2": "KIVI-2",
+    "kivi-mix": "KIVI-4/2 mix",
     "kivi": "KIVI-4",
     "static_mix": "Static mix",
 }
@@ -54,6 +56,7 @@ GROUP_ORDER = (*CATEGORIES, *LEVELS)  # BFCL categories, then Spider difficulty 
 COLORS = {
     "full": "0.35",
     "pask": "tab:red",
+    "pask-3a": "salmon",
     "pask-prefill": "lightcoral",
     "pask-decode": "darkred",
     "h2o": "tab:blue",
@@ -64,6 +67,7 @@ COLORS = {
     "lazyeviction": "tab:pink",
     "kivi-4": "tab:olive",
     "kivi-2": "goldenrod",
+    "kivi-mix": "darkkhaki",
     "kivi": "tab:olive",
     "static_mix": "tab:cyan",
 }

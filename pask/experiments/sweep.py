@@ -24,6 +24,7 @@ Config file (``tomllib``; relative paths are relative to the config file)::
     max_new_tokens = 384
     [bfcl.tables."qwen2.5-coder-0.5b"]
     "0.33" = "tables/qwen-bfcl-0.33.json"   # PASK table per (model, budget)
+    "pask-3a@0.33" = "tables/qwen-bfcl3-0.33.json"   # pask-3a: a three-action table (no INT2)
     [bfcl.policy_config.h2o]
     recent = 32                    # overrides the tuned configuration
 
@@ -37,7 +38,9 @@ A rerun skips finished cells and resumes unfinished ones; a cell made by another
 or configuration is refused (:class:`PaskError`) unless ``overwrite=True`` (``--force``), which
 deletes and reruns it. ``results_dir/sweep-<config stem>.json`` records the last sweep of a config: status and timing
 per cell. Policies ``pask-prefill`` / ``pask-decode`` are PASK with the table applied to the
-prompt only / to generated tokens only (the paper's Table 17 ablation).
+prompt only / to generated tokens only (the paper's Table 17 ablation). ``pask-3a`` is PASK with a
+three-action table (BF16 / INT4 / release: calibrated with ``--actions L,R``), given under the key
+``"pask-3a@<budget>"``, beside the four-action ``pask`` tables on the same frontier.
 
 Tasks are those of the registry :data:`pask.tasks.TASKS` (``bfcl``, ``sql``, and any task registered
 there): each takes the options of :data:`COMMON_OPTIONS` (``max_new_tokens`` defaulting to the
@@ -86,7 +89,9 @@ def record_path(config: SweepConfig) -> Path:
 
 
 SHARDS_DIR = "shards"
-ABLATIONS = {"pask": (True, True), "pask-prefill": (True, False), "pask-decode": (False, True)}
+ABLATIONS = {"pask": (True, True), "pask-prefill": (True, False), "pask-decode": (False, True), "pask-3a": (True, True)}
+#: PASK variants whose table is their own (key ``"<policy>@<budget>"``), not the ``pask`` table.
+OWN_TABLES = ("pask-3a",)
 DTYPES = ("bf16", "fp32")
 _PRODUCT_KEYS = ("models", "tasks", "splits", "policies", "budgets")
 _TOP_KEYS = {"results_dir", "dtype", "threads", "grid", *_PRODUCT_KEYS}
@@ -425,21 +430,28 @@ def _task_options(data: dict, task: str, base: Path) -> tuple[dict, dict, dict, 
     return opts, tables, pcfg, _threads(block.get("threads"), f"[{task}]")
 
 
-def _table_for(tables: dict, model: str, budget: float, task: str, base: Path) -> str:
+def _table_for(tables: dict, model: str, budget: float, task: str, base: Path, policy: str = "pask") -> str:
     per_model = tables.get(model, {})
+    want = policy if policy in OWN_TABLES else None
     for key, path in per_model.items():
+        owner, _, b_text = key.rpartition("@")
+        if owner and owner not in OWN_TABLES:
+            raise PaskError(
+                f'[{task}.tables."{model}"]: key {key!r}: only {", ".join(OWN_TABLES)} take "<policy>@<budget>"'
+            )
         try:
-            b = float(key)
+            b = float(b_text)
         except ValueError:
             raise PaskError(f'[{task}.tables."{model}"]: key {key!r} is not a budget') from None
-        if abs(b - budget) < 1e-9:
+        if (owner or None) == want and abs(b - budget) < 1e-9:
             p = (base / path).resolve()
             if not p.is_file():
                 raise PaskError(f"PASK table {p} (model {model}, budget {budget:g}) does not exist")
             return str(p)
+    key = f"{want}@{budget:g}" if want else f"{budget:g}"
     raise PaskError(
-        f"policy pask on {model} at budget {budget:g} needs a table: add "
-        f'[{task}.tables."{model}"] "{budget:g}" = "FILE" (made by `pask calibrate`)'
+        f"policy {policy} on {model} at budget {budget:g} needs a table: add "
+        f'[{task}.tables."{model}"] "{key}" = "FILE" (made by `pask calibrate`)'
     )
 
 
@@ -489,7 +501,7 @@ def parse_config(
                 # --threads beats the task's threads, which beat the top-level threads
                 cell.threads = top_threads if threads is not None else (t_threads or top_threads)
                 if p in ABLATIONS:
-                    cell.table = _table_for(tables, m, b, t, base)
+                    cell.table = _table_for(tables, m, b, t, base, p)
                 cells.setdefault(cell.key, cell)
     out = sorted(cells.values(), key=_order(list(cells)))
     for c in out:
@@ -543,7 +555,9 @@ def _check_cell_policy(cell: Cell) -> None:
 
         if cell.policy_config:
             raise PaskError(f"cell {cell.name}: PASK takes its actions from the table, not from policy_config")
-        make_pask_policy(cell.table, cell.budget, fingerprint=None)
+        policy = make_pask_policy(cell.table, cell.budget, fingerprint=None)
+        if cell.policy == "pask-3a" and "L2" in policy.table.actions.values():
+            raise PaskError(f"cell {cell.name}: pask-3a needs a three-action table; {cell.table} uses INT2 (L2)")
     else:
         make_cell_policy(cell, None)
 
