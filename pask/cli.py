@@ -585,7 +585,9 @@ def calibrate(
 def bench_kv_cmd(
     model: ModelOpt = DEFAULT_MODEL,
     contexts: Annotated[str, typer.Option(help="comma-separated context lengths")] = "2048,8192,32768",
-    mix: Annotated[str, typer.Option(help="H:INT4:release fractions outside the recent window")] = "0.34:0.33:0.33",
+    mix: Annotated[
+        str, typer.Option(help="H:INT4:release[:INT2] fractions outside the recent window")
+    ] = "0.34:0.33:0.33",
     repeats: int = 30,
     threads: int = 1,
     as_json: Annotated[bool, typer.Option("--json", help="print the raw JSON result")] = False,
@@ -623,8 +625,10 @@ def bench_kv_cmd(
         fractions = [float(x) for x in mix.split(":")]
     except ValueError:
         raise PaskError("--contexts takes integers like 2048,8192 and --mix fractions like 0.34:0.33:0.33") from None
-    if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
-        raise PaskError(f"--mix must be three non-negative fractions summing to 1, got {mix}")
+    if len(fractions) not in (3, 4) or any(not f >= 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
+        raise PaskError(
+            f"--mix must be three or four (H:INT4:release:INT2) non-negative fractions summing to 1, got {mix}"
+        )
     if not ctx or min(ctx) < 16:
         raise PaskError("--contexts must be lengths >= 16")
     result = bench_kv(model, ctx, fractions, repeats=repeats, threads=threads)

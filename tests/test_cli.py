@@ -89,6 +89,9 @@ def test_unsatisfiable_schema(tmp_path):
 def test_bench_kv_bad_mix():
     res = _run("bench", "kv", "--mix", "0.5:0.6:0.1")
     assert res.exit_code == 2 and "summing to 1" in res.output
+    for bad in ("0.2:0.2:0.2:0.2:0.2", "0.5:0.5:0.1:-0.1", "0.3:0.3:0.3:nan"):
+        res = _run("bench", "kv", "--mix", bad)
+        assert res.exit_code == 2 and "summing to 1" in res.output, bad
     res = _run("bench", "kv", "--contexts", "abc")
     assert res.exit_code == 2 and "--contexts" in res.output
 

@@ -329,3 +329,26 @@ def test_key_balance_tames_outlier_channels_and_is_counted():
     assert errs[True] < errs[False] / 3, errs
     bal = key_balance(k)
     assert bal.shape == (2, 2, 64) and float(bal[0, 0, 3]) > 50  # mid-range of the outlier channel
+
+
+def test_bench_kv_fills_a_four_tier_mix():
+    """`pask bench kv --mix H:INT4:release:INT2` puts each share of the tokens in its tier."""
+    from pask.bench.kv import _fill_tiered
+    from pask.kv.cache import attention_config
+
+    n, layers = 520, 4
+    gen = torch.Generator().manual_seed(0)
+    kv = [
+        (
+            torch.randn(1, 2, n, 64, generator=gen).to(torch.bfloat16),
+            torch.randn(1, 2, n, 64, generator=gen).to(torch.bfloat16),
+        )
+        for _ in range(layers)
+    ]
+    cache = _fill_tiered(attention_config(2, 7, 64, layers), CacheConfig(), kv, (0.1, 0.3, 0.2, 0.4))
+    st = cache.layers[0].seqs[0]
+    outside = n - CacheConfig().recent_window
+    assert abs(st.l.n - 0.3 * outside) <= 3 and abs(st.l2.n - 0.4 * outside) <= 3
+    assert abs((outside - st.h.n + 8 - st.l.n - st.l2.n) - 0.2 * outside) <= 3
+    three = _fill_tiered(attention_config(2, 7, 64, layers), CacheConfig(), kv, (0.1, 0.3, 0.6))
+    assert three.layers[0].seqs[0].l2.n == 0

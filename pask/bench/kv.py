@@ -2,7 +2,7 @@
 
 For each context length, synthetic random K/V with the model's real shapes (layers, kv heads,
 head_dim; BF16) fill a TieredCache whose tokens outside the recent window get a static
-H / INT4 / release mix, and a full-precision reference (plain tensors for one layer,
+H / INT4 / release (/ INT2) mix, and a full-precision reference (plain tensors for one layer,
 transformers' DynamicCache for the whole model). Measured, in the same process:
 
 * bytes: held (live K/V incl. INT4 scales/zeros) vs full BF16, the cost model's prediction and
@@ -52,7 +52,7 @@ def _fill_tiered(config, cache_config: CacheConfig, kv: list[tuple[torch.Tensor,
     outside = torch.arange(max(0, n - cache_config.recent_window))
     acts = StaticMixPolicy(*mix).assign(outside)
     for g in range(len(cache.groups)):
-        for a in (Action.L, Action.R):
+        for a in (Action.L, Action.L2, Action.R):
             cache.apply(0, g, outside[acts == int(a)], a)
     return cache
 
@@ -79,7 +79,7 @@ def bench_context(
     st = cache.layers[0].seqs[0]
     out = {
         "context": n,
-        "tokens_per_layer": {"H": st.h.n, "L": st.l.n, "R": n - st.h.n - st.l.n},
+        "tokens_per_layer": {"H": st.h.n, "L": st.l.n, "L2": st.l2.n, "R": n - st.h.n - st.l.n - st.l2.n},
         "full_bytes": full,
         "held_bytes": held,
         "allocated_bytes": alloc,
@@ -192,7 +192,8 @@ def bench_kv(
                 "kv_heads": spec.num_kv_heads,
                 "head_dim": spec.head_dim,
             },
-            "mix_h_l_r": list(mix),
+            "mix_h_l_r": list(mix[:3]),
+            "mix_l2": float(mix[3]) if len(mix) > 3 else 0.0,
             "int4_ratio": CostModel(spec.head_dim, cache_config.quant_group, torch.bfloat16).l_ratio,
             "threads": threads,
             "repeats": repeats,
