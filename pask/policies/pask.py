@@ -27,12 +27,13 @@ from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 from pask.policies.table import FrozenTable, parse_action
 from pask.structure.tags import Bucket, PromptLabel, Tag
 
-_H, _L, _R = int(Action.H), int(Action.L), int(Action.R)
+_H = int(Action.H)
+_LOSSY = (int(Action.L), int(Action.L2), int(Action.R))  # every action that moves a token out of H
 
 
 @dataclass
 class PaskPolicy(PolicyBase):
-    """Frozen-table retention (H / INT4 / release per bucket x layer group).
+    """Frozen-table retention (H / INT4 / INT2 / release per bucket x layer group).
 
     Parameters
     ----------
@@ -136,7 +137,7 @@ class PaskPolicy(PolicyBase):
         out = []
         for g in range(table.shape[1]):
             col = table[:, g]
-            for act in (_L, _R):
+            for act in _LOSSY:
                 sel = ptens[col == act]
                 if sel.numel():
                     out.append((g, sel, Action(act)))
