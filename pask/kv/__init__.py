@@ -1,4 +1,4 @@
-"""Tiered KV cache: BF16 (H), packed INT4 (L) or released (R) per token × layer group.
+"""Tiered KV cache: BF16 (H), packed INT4 (L), packed INT2 (L2) or released (R) per token × layer group.
 
 Typical use (see :mod:`pask.runtime.runner` for a complete loop)::
 

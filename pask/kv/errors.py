@@ -22,7 +22,7 @@ class AlreadyReleasedError(KVCacheError):
 
 
 class IrreversibleActionError(KVCacheError):
-    """An action asks to bring an INT4 token back to full precision."""
+    """An action asks to move a token back up the harm order (INT4 to BF16, INT2 to INT4 or BF16)."""
 
 
 class ProtectedTokenError(KVCacheError):

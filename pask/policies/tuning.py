@@ -16,8 +16,9 @@ is set; both opt-outs run the policy's defaults under the user's parameters, as 
 without a grid (MiKV, KIVI, Full, PASK) have nothing to tune and never need an entry.
 
 The grids use the policies' parameter names. Table 8 knobs without a counterpart here: MiKV's
-high-precision ratio (set by the budget: ``(B - c) / (1 - c)``), its 2-bit width and group sizes
-64/128 (the cache has one INT4 tier with the cache's group size), so MiKV has nothing to tune.
+high-precision ratio (set by the budget: ``(B - c) / (1 - c)``) and its group sizes 64/128 (the
+cache's low tiers have one group size); its low-tier width is ``bits`` (4 or 2), set per budget by
+the frontier configs, so MiKV has no grid.
 """
 
 from __future__ import annotations
