@@ -776,6 +776,25 @@ struct LHead {
   }
 };
 
+// a[r][t] += qs[r][d] * codes[t] for every query row r (portable code-score accumulation, INT4 and INT2)
+inline void accumulate_codes(int grp, const float (*qs)[MAXD], int d, const float* codes, float (*a)[BT]) {
+  for (int r = 0; r < grp; ++r) {
+    const float q = qs[r][d];
+    float* ar = a[r];
+#pragma omp simd
+    for (int t = 0; t < BT; ++t) ar[t] += q * codes[t];
+  }
+}
+
+// sc[r][t] += scl[t] * a[r][t] + off[t] * qsum_g[r]: a group's dequantised scores from its code sums
+inline void add_group_scores(State& st, const float (*a)[BT], const float* scl, const float* off, const float* qsum_g) {
+  for (int r = 0; r < st.grp; ++r) {
+    const float qg = qsum_g[r];
+#pragma omp simd
+    for (int t = 0; t < BT; ++t) st.sc[r][t] += scl[t] * a[r][t] + off[t] * qg;
+  }
+}
+
 void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap;
@@ -814,18 +833,9 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
           codes[j] = static_cast<float>(row[j] & 15);
           codes[j + BT / 2] = static_cast<float>(row[j] >> 4);
         }
-        for (int r = 0; r < grp; ++r) {
-          const float q = qs[r][d];
-          float* ar = a[r];
-#pragma omp simd
-          for (int t = 0; t < BT; ++t) ar[t] += q * codes[t];
-        }
+        accumulate_codes(grp, qs, d, codes, a);
       }
-      for (int r = 0; r < grp; ++r) {
-        const float qg = qsum[g][r];
-#pragma omp simd
-        for (int t = 0; t < BT; ++t) st.sc[r][t] += scl[t] * a[r][t] + off[t] * qg;
-      }
+      add_group_scores(st, a, scl, off, qsum[g]);
     }
     st.absorb(nt);
     for (int g = 0; g < G; ++g) {
@@ -1199,18 +1209,9 @@ void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, 
         const int sh = 2 * (d & 3);
 #pragma omp simd
         for (int t = 0; t < BT; ++t) codes[t] = static_cast<float>((row[t] >> sh) & 3);
-        for (int r = 0; r < grp; ++r) {
-          const float q = qs[r][d];
-          float* ar = a[r];
-#pragma omp simd
-          for (int t = 0; t < BT; ++t) ar[t] += q * codes[t];
-        }
+        accumulate_codes(grp, qs, d, codes, a);
       }
-      for (int r = 0; r < grp; ++r) {
-        const float qg = qsum[g][r];
-#pragma omp simd
-        for (int t = 0; t < BT; ++t) st.sc[r][t] += scl[t] * a[r][t] + off[t] * qg;
-      }
+      add_group_scores(st, a, scl, off, qsum[g]);
     }
     st.absorb(nt);
     for (int g = 0; g < G; ++g) {
