@@ -120,6 +120,7 @@ def test_pooled_calibration_probes_each_item_once_in_every_group(smol, tmp_path)
     assert table.calibration["pool_groups"] is True
     meta = table.calibration  # 2 cases: V moves in steps of 1/2, finer tolerances are unmeasurable
     assert meta["v_resolution"] == 0.5 and meta["alpha_p_effective"] > 0.5 and table.alpha_p == 0.02
+    assert meta["unmeasurable_tolerances"] == ["alpha_d", "alpha_p"] and meta["calibration_wall_s"] > 0
     recs = [json.loads(x) for x in (work_dir_for(out) / "distortion.jsonl").read_text().splitlines()]
     assert sorted((r["bucket"], r["action"]) for r in recs) == [(f"{item}|all", a) for a in ("L", "L2", "R")]
     by = {b["bucket"]: b for b in table.calibration["buckets"]}
@@ -127,7 +128,9 @@ def test_pooled_calibration_probes_each_item_once_in_every_group(smol, tmp_path)
     r_rec = next(r for r in recs if r["action"] == "R")
     assert by[pick[0]]["V"] == by[pick[1]]["V"]  # one pooled V per item
     assert by[pick[0]]["D"]["R"] == r_rec["d_per_group"][1] and by[pick[1]]["D"]["R"] == r_rec["d_per_group"][3]
-    assert "Pooled calibration" in report_path_for(out).read_text()
+    report = report_path_for(out).read_text()
+    assert "Pooled calibration" in report and "Not measurable at this resolution: alpha_d, alpha_p" in report
+    assert "Unpooled 6-candidate scan" in report  # 2 buckets x 3 lossy actions
 
 
 @pytest.mark.slow

@@ -235,6 +235,8 @@ def calibrate(
         "probe_groups": screen.groups,
         "alpha_d_effective": eff_d,
         "alpha_p_effective": eff_p,
+        # a nominal tolerance finer than one flip cannot be measured: the solver used the resolution
+        "unmeasurable_tolerances": [k for k, a in (("alpha_d", alpha_d), ("alpha_p", alpha_p)) if a < resolution],
         "l_cost": l_cost,
         "l2_cost": l2_cost,
         "actions": ["H", *actions],
@@ -242,6 +244,9 @@ def calibrate(
         "control_wall_s": round(control.wall_s, 1),
         "sensitivity_wall_s": round(sum(r["wall_s"] for r in v_recs.values()), 1),
         "distortion_wall_s": round(sum(r["wall_s"] for r in d_recs.values()), 1),
+        "calibration_wall_s": round(
+            control.wall_s + sum(r["wall_s"] for r in v_recs.values()) + sum(r["wall_s"] for r in d_recs.values()), 1
+        ),
         "this_call": {
             "wall_s": round(time.perf_counter() - t_start, 1),
             "control_batches": control.batches_run,
@@ -351,11 +356,20 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
     lines = [
         f"# PASK calibration: {table.model_name} on {table.task} ({meta['split']}, {meta['cases']} cases)",
         "",
-        f"Table: {sol.summary()}; L cost {meta['l_cost']:.5f}.",
+        f"Table: {sol.summary()}; L cost {meta['l_cost']:.5f}, L2 cost {meta.get('l2_cost', float('nan')):.5f}; "
+        f"actions {', '.join(meta.get('actions', ['H', 'L', 'R']))}.",
         f"Tolerances alpha_D = {table.alpha_d}, alpha_P = {table.alpha_p} (effective "
         f"{meta.get('alpha_d_effective', table.alpha_d):.4f} / {meta.get('alpha_p_effective', table.alpha_p):.4f}: "
         f"V resolution {meta.get('v_resolution', 0):.4f}: {_resolution_rule(meta)}); {table.num_groups} layer groups; "
-        f"recent window {table.recent_window}; default action {table.default_action}.",
+        f"recent window {table.recent_window}; default action {table.default_action}."
+        + (
+            f" Not measurable at this resolution: {', '.join(meta['unmeasurable_tolerances'])} (the solver used "
+            "the resolution instead)."
+            if meta.get("unmeasurable_tolerances")
+            else ""
+        ),
+        f"Wall time: {_h(meta.get('calibration_wall_s', 0.0))} in all (control, probes and replays, summed over "
+        "calls).",
         f"All-H control accuracy: {100 * control.accuracy:.2f} % ({control.summary['overall']['correct']}/"
         f"{control.summary['overall']['n']}).",
         "",
@@ -374,7 +388,7 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
         f"| Full {n_cand}-candidate scan | {_h(sum(v_times))} | {_h(sum(d_times))} |",
     ]
     if meta.get("pool_groups"):
-        n_full = 2 * len(meta["buckets"])
+        n_full = (len(meta.get("actions", ["H", "L", "R"])) - 1) * len(meta["buckets"])
         est = [_h(n_full * statistics.median(t)) if t else "-" for t in (v_times, d_times)]
         lines += [
             f"| Unpooled {n_full}-candidate scan (estimated: median x candidates) | {est[0]} | {est[1]} |",
