@@ -62,6 +62,18 @@ def test_transfer_allowed_records_warning(tmp_path):
     assert t.actions == _table().actions
 
 
+def test_infeasible_table_loads_with_a_warning(tmp_path):
+    t = _table()
+    t.calibration = {**t.calibration, "feasible": False}
+    t.expected_b = 0.566
+    path = t.save(tmp_path / "t.json")
+    with pytest.warns(UserWarning, match="infeasible table"):
+        back = load(path)
+    assert back.warnings == [w for w in back.warnings if "B = 0.566" in w] and back.warnings
+    ok = _table().save(tmp_path / "ok.json")  # feasible (or unknown): no warning
+    assert load(ok).warnings == []
+
+
 def test_bad_format_version(tmp_path):
     path = _table().save(tmp_path / "t.json")
     data = json.loads(path.read_text())

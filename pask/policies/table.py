@@ -144,7 +144,8 @@ def load(path: Path | str, fingerprint: str | None = None, allow_transfer: bool 
 
     A table calibrated on another model (``fingerprint`` differs) raises :class:`PaskError`
     unless ``allow_transfer`` is true; then the table is returned with a warning in
-    ``table.warnings`` (and a Python ``UserWarning``).
+    ``table.warnings`` (and a Python ``UserWarning``). A table whose calibration found its target
+    infeasible (``calibration.feasible`` false: the floors alone exceed it) loads with a warning too.
     """
     path = Path(path)
     try:
@@ -164,6 +165,12 @@ def load(path: Path | str, fingerprint: str | None = None, allow_transfer: bool 
         if not allow_transfer:
             raise PaskError(msg + "; recalibrate, or allow calibration transfer explicitly")
         table.warnings.append("calibration transfer: " + msg)
+        _warnings.warn(table.warnings[-1], UserWarning, stacklevel=2)
+    if table.calibration.get("feasible") is False:
+        table.warnings.append(
+            f"infeasible table: {path} was calibrated for B = {table.target_b}, but its floors alone hold "
+            f"B = {table.expected_b} at its tolerances; it runs at about that B"
+        )
         _warnings.warn(table.warnings[-1], UserWarning, stacklevel=2)
     return table
 
