@@ -108,7 +108,7 @@ def main() -> None:
             raise SystemExit(f"{name}: the native kernel does not serve this layout")
         st = layer.seqs[0]
         read = sum(s.live_bytes() for s in layer.seqs)
-        full = args.batch * args.context * 2 * HKV * D * 2
+        full = cache.full_bytes()  # the BF16 bytes of the same tokens
         rows[name] = {
             "shares_h_int4_int2_r": [round(x, 4) for x in shares],
             "tokens_per_row": {"H": st.h.n, "INT4": st.l.n, "INT2": st.l2.n},

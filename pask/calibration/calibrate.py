@@ -216,6 +216,7 @@ def calibrate(
     base_b = plan.window_share + plan.base_share() * cost(default, l_cost, l2_cost)
     sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost, l2_cost)
     table_actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
+    v_wall, d_wall = (sum(r["wall_s"] for r in recs.values()) for recs in (v_recs, d_recs))
     meta = {
         "split": split,
         "categories": cats,
@@ -242,11 +243,9 @@ def calibrate(
         "actions": ["H", *actions],
         "control_accuracy": control.accuracy,
         "control_wall_s": round(control.wall_s, 1),
-        "sensitivity_wall_s": round(sum(r["wall_s"] for r in v_recs.values()), 1),
-        "distortion_wall_s": round(sum(r["wall_s"] for r in d_recs.values()), 1),
-        "calibration_wall_s": round(
-            control.wall_s + sum(r["wall_s"] for r in v_recs.values()) + sum(r["wall_s"] for r in d_recs.values()), 1
-        ),
+        "sensitivity_wall_s": round(v_wall, 1),
+        "distortion_wall_s": round(d_wall, 1),
+        "calibration_wall_s": round(control.wall_s + v_wall + d_wall, 1),
         "this_call": {
             "wall_s": round(time.perf_counter() - t_start, 1),
             "control_batches": control.batches_run,

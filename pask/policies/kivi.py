@@ -8,6 +8,7 @@ import torch
 
 from pask.errors import PaskError
 from pask.kv.actions import Action
+from pask.kv.budget import CostModel
 from pask.policies._common import check_budget, h_count
 from pask.policies.base import ActionSpec, PolicyBase, SeqContext
 
@@ -85,8 +86,8 @@ class KIVIPolicy(PolicyBase):
 
 
 #: INT4 and INT2 cost over BF16 at head_dim 64, group 32 (the mix's choice of widths; the residual
-#: then uses the cache's measured costs from the SeqContext).
-_COST = {4: 0.3125, 2: 0.1875}
+#: then uses the cache's measured costs from the SeqContext): the cost model's defaults.
+_COST = {4: CostModel().l_ratio, 2: CostModel().l2_ratio}
 
 
 @dataclass
