@@ -533,6 +533,20 @@ def calibrate(
     actions: Annotated[
         str, typer.Option(help="lossy actions to probe: L,L2,R (four-action table) or L,R (BF16 / INT4 / release)")
     ] = "L,L2,R",
+    fit: Annotated[
+        str,
+        typer.Option(
+            help="a budget below the floors: 'floors' keeps them (the paper; the table misses its target) or "
+            "'sensitivity' relaxes them, least accuracy per byte first, until it fits"
+        ),
+    ] = "floors",
+    envelope: Annotated[
+        str,
+        typer.Option(
+            help="harm order of the lossy actions: 'chain' (release >= INT2 >= INT4, the paper) or 'branch' "
+            "(release and INT2 each >= INT4)"
+        ),
+    ] = "chain",
     batch_size: int = 8,
     dtype: str = "bf16",
     threads: int | None = None,
@@ -544,6 +558,10 @@ def calibrate(
     check_budget(budget, "--budget")
     if distortion_scope not in ("all", "allowed"):
         raise PaskError(f"--distortion-scope must be 'all' or 'allowed', got {distortion_scope!r}")
+    if fit not in ("floors", "sensitivity"):
+        raise PaskError(f"--fit must be 'floors' or 'sensitivity', got {fit!r}")
+    if envelope not in ("chain", "branch"):
+        raise PaskError(f"--envelope must be 'chain' or 'branch', got {envelope!r}")
     for name, a in (("--alpha-d", alpha_d), ("--alpha-p", alpha_p)):
         if not 0 <= a < 1:
             raise PaskError(f"{name} must be in [0, 1), got {a}")
@@ -576,6 +594,8 @@ def calibrate(
             alpha_d=alpha_d,
             alpha_p=alpha_p,
             actions=probe_actions,
+            fit=fit,
+            envelope_kind=envelope,
         )
     console.print(f"table: {out} (expected B {table.expected_b:.3f}); report: {report_path_for(out)}")
 

@@ -176,6 +176,19 @@ def test_allowed_distortion_scope_measures_only_what_the_floors_allow(smol, tmp_
     assert table.calibration["distortion_scope"] == "allowed"
     with pytest.raises(PaskError, match="distortion scope"):
         calibrate(smol, buckets=[f"{a}|g0"], distortion_scope="some", **kw)
+    # a target below the floors with fit="sensitivity": relaxed actions sit below the floors, so
+    # Runtime-D covers every candidate whatever the scope says
+    seen.clear()
+    kw["budget"] = 0.01
+    fitted = calibrate(smol, buckets=[f"{a}|g0", f"{b}|g0"], distortion_scope="allowed", fit="sensitivity", **kw)
+    assert sorted(seen) == sorted((f"{x}|all", act) for x in (a, b) for act in ("L", "L2", "R"))
+    meta = fitted.calibration
+    assert meta["fit"] == "sensitivity" and meta["envelope"] == "chain" and meta["feasible"] is False
+    assert meta["relaxed"] and all(r["bucket"] in (f"{a}|g0", f"{b}|g0") for r in meta["relaxed"])
+    with pytest.raises(PaskError, match="fit must be"):
+        calibrate(smol, buckets=[f"{a}|g0"], fit="budget", **kw)
+    with pytest.raises(PaskError, match="envelope must be"):
+        calibrate(smol, buckets=[f"{a}|g0"], envelope_kind="tree", **kw)
 
 
 def _capture_with(steps):

@@ -220,3 +220,104 @@ def _replay_greedy(buckets, sol, target, base):
         actions[u["bucket"]] = u["to"]
         b_now += u["added_b"]
     assert actions == sol.actions
+
+
+# -- rule 5: fitting a target below the floors ----------------------------------------------------
+def test_fit_sensitivity_relaxes_least_accuracy_per_byte_first():
+    buckets = [
+        B4("cheap_v", stage="P", w=0.4, vl=0.03, vl2=0.04, vr=0.06),  # floors H (alpha_P 0.02)
+        B4("dear_v", stage="P", w=0.4, vl=0.3, vl2=0.4, vr=0.5),
+    ]
+    floors = solve(buckets, target_b=0.6)
+    assert not floors.feasible and floors.actions == {"cheap_v": "H", "dear_v": "H"}
+    sol = solve(buckets, target_b=0.6, fit="sensitivity")
+    assert not sol.feasible and sol.fitted and sol.expected_b <= 0.6 + 1e-12
+    # H->R of cheap_v: 0.06 / 0.4 = 0.15 per byte beats H->L (0.03 / 0.275 = 0.109)? no: L is cheaper in V per byte
+    first = sol.relaxed[0]
+    assert (first["bucket"], first["from"], first["to"]) == ("cheap_v", "H", "L")
+    assert first["added_v"] == pytest.approx(0.03) and first["saved_b"] == pytest.approx(0.4 * 0.6875)
+    assert sol.actions["dear_v"] == "H"  # never touched while cheap_v still had moves worth less
+    assert sol.admitted["P"] == pytest.approx(sol.v_eff["cheap_v"][sol.actions["cheap_v"]])
+    assert "FITTED by relaxing" in sol.summary()
+
+
+def test_fit_ties_in_sensitivity_break_by_distortion():
+    # a pooled item: both groups share V; distortion says group g1 is the safer one to relax
+    buckets = [
+        B4("item|g0", stage="P", w=0.5, vl=0.05, vl2=0.1, vr=0.2, dl=0.3, dl2=0.6, dr=0.9),
+        B4("item|g1", stage="P", w=0.5, vl=0.05, vl2=0.1, vr=0.2, dl=0.01, dl2=0.02, dr=0.05),
+    ]
+    sol = solve(buckets, target_b=0.7, fit="sensitivity")
+    assert sol.relaxed[0]["bucket"] == "item|g1" and sol.actions["item|g0"] == "H"
+
+
+def test_fit_that_cannot_reach_the_target_says_so():
+    buckets = [BucketInput("a", "P", 0.5, v={"L": 0.3}, d={"L": 0.1})]  # only L measured
+    sol = solve(buckets, target_b=0.1, fit="sensitivity")
+    assert not sol.fitted and sol.actions == {"a": "L"}
+    assert sol.expected_b == pytest.approx(0.5 * 0.3125)
+    assert "still does not fit" in sol.summary()
+
+
+def test_fit_leaves_feasible_targets_alone():
+    buckets = [B("a", w=0.3, dl=0.01, dr=0.4), B("b", w=0.2, vr=0.1, dl=0.02, dr=0.3)]
+    a, b = solve(buckets, target_b=0.2), solve(buckets, target_b=0.2, fit="sensitivity")
+    assert a.actions == b.actions and b.relaxed == [] and not b.fitted and b.feasible
+
+
+def test_bad_fit_and_envelope_names_are_refused():
+    with pytest.raises(ValueError, match="fit"):
+        solve([B("a")], target_b=0.5, fit="budget")
+    with pytest.raises(ValueError, match="envelope"):
+        solve([B("a")], target_b=0.5, envelope_kind="tree")
+
+
+def test_branch_envelope_leaves_release_and_int2_unordered():
+    v = {"L": 0.01, "L2": 0.3, "R": 0.02}
+    assert envelope(v, "branch") == {"H": 0.0, "L": 0.01, "L2": 0.3, "R": 0.02}
+    assert envelope(v, "chain")["R"] == 0.3
+    assert envelope({"L": 0.05, "L2": 0.0, "R": 0.0}, "branch") == {"H": 0.0, "L": 0.05, "L2": 0.05, "R": 0.05}
+    # release within tolerance while INT2 is not: the branch floor is R, the chain floor L
+    q = B4("q", vl=0.0, vl2=0.3, vr=0.02)
+    assert solve([q], target_b=1.0, envelope_kind="branch").floors == {"q": "R"}
+    assert solve([q], target_b=1.0).floors == {"q": "L"}
+
+
+def test_upgrades_never_raise_sensitivity():
+    # branch: R is allowed and harmless, INT2 harmful; a distortion gain alone must not buy INT2
+    q = B4("q", w=0.5, vl=0.0, vl2=0.3, vr=0.01, dl=0.01, dl2=0.05, dr=0.2)
+    sol = solve([q], target_b=0.5 * 0.1875, envelope_kind="branch")  # fits L2 but not L
+    assert sol.actions == {"q": "R"} and sol.upgrades == []
+    sol = solve([q], target_b=0.5, envelope_kind="branch")
+    assert sol.actions["q"] in ("L", "H")
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(), st.sampled_from(["chain", "branch"]))
+def test_fit_properties(inst, kind):
+    buckets, base, target = inst
+    sol = solve(buckets, target, base_b=base, fit="sensitivity", envelope_kind=kind)
+    plain = solve(buckets, target, base_b=base, envelope_kind=kind)
+    assert sol.feasible == plain.feasible and sol.floors == plain.floors
+    assert sol.expected_b == pytest.approx(expected_b(sol.actions, buckets, base))
+    if sol.feasible:
+        assert sol.actions == plain.actions and not sol.relaxed
+        return
+    if sol.fitted:
+        assert sol.expected_b <= target + 1e-9
+    # every relaxation was the least added V per byte among the moves available at its time
+    actions, b_now = dict(sol.floors), expected_b(sol.floors, buckets, base)
+    for r in sol.relaxed:
+        best = math.inf
+        for b in buckets:
+            cur = actions[b.bucket]
+            for new in ORDER[: ORDER.index(cur)]:
+                saved = b.weight * (cost(cur) - cost(new))
+                if saved > 0 and math.isfinite(sol.v_eff[b.bucket][new]):
+                    best = min(best, (sol.v_eff[b.bucket][new] - sol.v_eff[b.bucket][cur]) / saved)
+        assert r["added_v"] / r["saved_b"] == pytest.approx(best, rel=1e-9, abs=1e-12)
+        actions[r["bucket"]] = r["to"]
+        b_now -= r["saved_b"]
+        assert (b_now > target + 1e-12) == (r is not sol.relaxed[-1]) or not sol.fitted
+    for b in buckets:  # upgrades after fitting never raise a bucket's effective sensitivity
+        assert sol.v_eff[b.bucket][sol.actions[b.bucket]] <= max(sol.v_eff[b.bucket][actions[b.bucket]], 0) + 1e-12

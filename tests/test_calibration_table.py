@@ -72,6 +72,9 @@ def test_infeasible_table_loads_with_a_warning(tmp_path):
     assert back.warnings == [w for w in back.warnings if "B = 0.566" in w] and back.warnings
     ok = _table().save(tmp_path / "ok.json")  # feasible (or unknown): no warning
     assert load(ok).warnings == []
+    t.calibration = {**t.calibration, "fitted": True}  # relaxed floors reach the target: no warning
+    t.expected_b = t.target_b
+    assert load(t.save(tmp_path / "fitted.json")).warnings == []
 
 
 def test_bad_format_version(tmp_path):

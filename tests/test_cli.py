@@ -198,6 +198,10 @@ def test_calibrate_refuses_test_split_and_bad_budget(tmp_path):
     assert res.exit_code == 2 and "--alpha-d must be in [0, 1)" in res.output
     res = _run("calibrate", "--distortion-scope", "some", "--out", str(tmp_path / "t.json"))
     assert res.exit_code == 2 and "--distortion-scope must be 'all' or 'allowed'" in res.output
+    res = _run("calibrate", "--fit", "budget", "--out", str(tmp_path / "t.json"))
+    assert res.exit_code == 2 and "--fit must be 'floors' or 'sensitivity'" in res.output
+    res = _run("calibrate", "--envelope", "tree", "--out", str(tmp_path / "t.json"))
+    assert res.exit_code == 2 and "--envelope must be 'chain' or 'branch'" in res.output
 
 
 def test_tune_bad_input():

@@ -30,7 +30,7 @@ from pask.calibration.control import run_control
 from pask.calibration.distortion import run_distortion
 from pask.calibration.screening import screen_all, screen_control_correct
 from pask.calibration.sensitivity import probe_policy, run_sensitivity
-from pask.calibration.solver import ORDER, BucketInput, Solution, cost, envelope, floor_action, solve
+from pask.calibration.solver import ENVELOPES, FITS, ORDER, BucketInput, Solution, cost, envelope, floor_action, solve
 from pask.calibration.tasks import default_max_new_tokens, get_task
 from pask.errors import PaskError
 from pask.kv.budget import CostModel, check_budget
@@ -90,6 +90,8 @@ def calibrate(
     probe_cases: int | None = None,
     distortion_scope: str = "all",
     actions: tuple[str, ...] = PROBE_ACTIONS,
+    fit: str = "floors",
+    envelope_kind: str = "chain",
 ) -> FrozenTable:
     """Calibrate a PASK table for ``lm`` on ``task``/``split`` under total budget ``budget``; see the module doc.
 
@@ -115,8 +117,20 @@ def calibrate(
 
     ``actions``: the lossy actions probed, a subset of ``("L", "L2", "R")`` holding ``"L"``;
     ``("L", "R")`` gives the three-action table (BF16 / INT4 / release) of the paper.
+
+    ``fit``: what a target below the floors does (:func:`pask.calibration.solver.solve`):
+    ``"floors"`` (the paper) keeps the floors and misses the target; ``"sensitivity"`` relaxes
+    floors, least accuracy per byte first, until the target fits (the report names each one). When it
+    relaxes, Runtime-D covers every candidate whatever ``distortion_scope`` says: the relaxed
+    actions are below the floors, and distortion orders them. ``envelope_kind``: ``"chain"``
+    (release >= INT2 >= INT4 in harm, the paper's order) or ``"branch"`` (release and INT2 each >=
+    INT4, unordered between themselves); see :mod:`pask.calibration.solver`.
     """
     check_budget(budget, "--budget")
+    if fit not in FITS:
+        raise PaskError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+    if envelope_kind not in ENVELOPES:
+        raise PaskError(f"envelope must be one of {', '.join(ENVELOPES)}, got {envelope_kind!r}")
     actions = check_probe_actions(actions)
     out = Path(out)
     cases, cats = _cases(task, split, categories, limit)
@@ -171,16 +185,28 @@ def calibrate(
     def probe_of(name: str) -> str:
         return f"{name.rpartition('|')[0]}|{POOLED}" if pool_groups else name
 
+    def v_of(name: str) -> dict[str, float]:
+        return {a: v_recs[(probe_of(name), a)]["v"] for a in actions if (probe_of(name), a) in v_recs}
+
+    spec = attention_spec(lm.model.config, cache_config.quant_group)
+    costs = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype)
+    l_cost, l2_cost = costs.l_ratio, costs.l2_ratio  # 0.3125 and 0.1875 in bf16 at head_dim 64
+    default = "H"
+    base_b = plan.window_share + plan.base_share() * cost(default, l_cost, l2_cost)
     d_candidates = candidates
-    if distortion_scope == "allowed":  # only the D values the solver reads: actions at or above the floor
+    if distortion_scope not in ("all", "allowed"):
+        raise PaskError(f"distortion scope must be 'all' or 'allowed', got {distortion_scope!r}")
+    v_only = [BucketInput(name, it.stage, w, v=v_of(name)) for name, it, _, w in plan.buckets()]
+    relaxing = (
+        fit == "sensitivity"
+        and not solve(v_only, budget, eff_d, eff_p, base_b, l_cost, l2_cost, envelope_kind=envelope_kind).feasible
+    )
+    if distortion_scope == "allowed" and not relaxing:  # only the D values the solver reads: at or above floors
         allowed = set()
         for name, it, _, _ in plan.buckets():
-            v = {a: v_recs[(probe_of(name), a)]["v"] for a in actions if (probe_of(name), a) in v_recs}
-            floor = floor_action(envelope(v), eff_p if it.stage == "P" else eff_d)
+            floor = floor_action(envelope(v_of(name), envelope_kind), eff_p if it.stage == "P" else eff_d)
             allowed |= {(probe_of(name), a) for a in actions if ORDER.index(a) >= ORDER.index(floor)}
         d_candidates = [c for c in candidates if c in allowed]
-    elif distortion_scope != "all":
-        raise PaskError(f"distortion scope must be 'all' or 'allowed', got {distortion_scope!r}")
     d_recs, d_run = {}, 0
     if distortion:
         d_recs, d_run = run_distortion(
@@ -204,17 +230,12 @@ def calibrate(
             name,
             it.stage,
             w,
-            v={a: v_recs[(probe_of(name), a)]["v"] for a in actions if (probe_of(name), a) in v_recs},
+            v=v_of(name),
             d={a: d_of(name, g, a) for a in actions if (probe_of(name), a) in d_recs},
         )
         for name, it, g, w in plan.buckets()
     ]
-    default = "H"
-    spec = attention_spec(lm.model.config, cache_config.quant_group)
-    costs = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype)
-    l_cost, l2_cost = costs.l_ratio, costs.l2_ratio  # 0.3125 and 0.1875 in bf16 at head_dim 64
-    base_b = plan.window_share + plan.base_share() * cost(default, l_cost, l2_cost)
-    sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost, l2_cost)
+    sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost, l2_cost, fit, envelope_kind)
     table_actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
     v_wall, d_wall = (sum(r["wall_s"] for r in recs.values()) for recs in (v_recs, d_recs))
     meta = {
@@ -271,6 +292,11 @@ def calibrate(
         "skipped": plan.skipped,
         "feasible": sol.feasible,
         "needs": sol.needs,
+        "fit": fit,
+        "envelope": envelope_kind,
+        "fitted": sol.fitted,
+        "relaxed": sol.relaxed,
+        "admitted_v": sol.admitted,
         "floor_b": sol.floor_b,
         "upgrades": sol.upgrades,
     }

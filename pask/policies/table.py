@@ -145,7 +145,9 @@ def load(path: Path | str, fingerprint: str | None = None, allow_transfer: bool 
     A table calibrated on another model (``fingerprint`` differs) raises :class:`PaskError`
     unless ``allow_transfer`` is true; then the table is returned with a warning in
     ``table.warnings`` (and a Python ``UserWarning``). A table whose calibration found its target
-    infeasible (``calibration.feasible`` false: the floors alone exceed it) loads with a warning too.
+    infeasible (``calibration.feasible`` false: the floors alone exceed it) loads with a warning too,
+    unless the calibration fitted it by relaxing floors (``calibration.fitted``: it reaches its target;
+    its report names the relaxed floors).
     """
     path = Path(path)
     try:
@@ -166,7 +168,7 @@ def load(path: Path | str, fingerprint: str | None = None, allow_transfer: bool 
             raise PaskError(msg + "; recalibrate, or allow calibration transfer explicitly")
         table.warnings.append("calibration transfer: " + msg)
         _warnings.warn(table.warnings[-1], UserWarning, stacklevel=2)
-    if table.calibration.get("feasible") is False:
+    if table.calibration.get("feasible") is False and not table.calibration.get("fitted"):
         table.warnings.append(
             f"infeasible table: {path} was calibrated for B = {table.target_b}, but its floors alone hold "
             f"B = {table.expected_b} at its tolerances; it runs at about that B"
