@@ -547,15 +547,23 @@ def calibrate(
             "(release and INT2 each >= INT4)"
         ),
     ] = "chain",
+    b_offset: Annotated[
+        float,
+        typer.Option(
+            help="dev check correction: B measured on dev minus the expected B; the solver aims at "
+            "budget - offset (see docs/calibration.md)"
+        ),
+    ] = 0.0,
     batch_size: int = 8,
     dtype: str = "bf16",
     threads: int | None = None,
     prefill_store: PrefillStoreOpt = None,
 ) -> None:
     """Offline calibration: sensitivity floors + distortion-ranked upgrades -> frozen PASK table."""
-    from pask.calibration.calibrate import calibrate_command, check_probe_actions, report_path_for
+    from pask.calibration.calibrate import calibrate_command, check_b_offset, check_probe_actions, report_path_for
 
     check_budget(budget, "--budget")
+    check_b_offset(budget, b_offset)
     if distortion_scope not in ("all", "allowed"):
         raise PaskError(f"--distortion-scope must be 'all' or 'allowed', got {distortion_scope!r}")
     if fit not in ("floors", "sensitivity"):
@@ -596,6 +604,7 @@ def calibrate(
             actions=probe_actions,
             fit=fit,
             envelope_kind=envelope,
+            b_offset=b_offset,
         )
     console.print(f"table: {out} (expected B {table.expected_b:.3f}); report: {report_path_for(out)}")
 

@@ -185,6 +185,13 @@ def test_allowed_distortion_scope_measures_only_what_the_floors_allow(smol, tmp_
     meta = fitted.calibration
     assert meta["fit"] == "sensitivity" and meta["envelope"] == "chain" and meta["feasible"] is False
     assert meta["relaxed"] and all(r["bucket"] in (f"{a}|g0", f"{b}|g0") for r in meta["relaxed"])
+    # the dev check's offset: the solver aims lower, the table keeps its budget
+    seen.clear()
+    offset = calibrate(smol, buckets=[f"{a}|g0", f"{b}|g0"], fit="sensitivity", b_offset=-0.5, **kw)
+    assert offset.target_b == 0.01 and offset.calibration["solver_target_b"] == pytest.approx(0.51)
+    assert offset.calibration["b_offset"] == -0.5
+    with pytest.raises(PaskError, match="outside"):
+        calibrate(smol, buckets=[f"{a}|g0"], b_offset=0.5, **kw)
     with pytest.raises(PaskError, match="fit must be"):
         calibrate(smol, buckets=[f"{a}|g0"], fit="budget", **kw)
     with pytest.raises(PaskError, match="envelope must be"):

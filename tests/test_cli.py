@@ -202,6 +202,8 @@ def test_calibrate_refuses_test_split_and_bad_budget(tmp_path):
     assert res.exit_code == 2 and "--fit must be 'floors' or 'sensitivity'" in res.output
     res = _run("calibrate", "--envelope", "tree", "--out", str(tmp_path / "t.json"))
     assert res.exit_code == 2 and "--envelope must be 'chain' or 'branch'" in res.output
+    res = _run("calibrate", "--budget", "0.2", "--b-offset", "0.25", "--out", str(tmp_path / "t.json"))
+    assert res.exit_code == 2 and "outside (0, 1]" in res.output
 
 
 def test_tune_bad_input():

@@ -92,6 +92,7 @@ def calibrate(
     actions: tuple[str, ...] = PROBE_ACTIONS,
     fit: str = "floors",
     envelope_kind: str = "chain",
+    b_offset: float = 0.0,
 ) -> FrozenTable:
     """Calibrate a PASK table for ``lm`` on ``task``/``split`` under total budget ``budget``; see the module doc.
 
@@ -125,8 +126,14 @@ def calibrate(
     actions are below the floors, and distortion orders them. ``envelope_kind``: ``"chain"``
     (release >= INT2 >= INT4 in harm, the paper's order) or ``"branch"`` (release and INT2 each >=
     INT4, unordered between themselves); see :mod:`pask.calibration.solver`.
+
+    ``b_offset``: the dev check's correction (B measured on the dev split minus the expected B of a
+    table solved without it). The solver then aims at ``budget - b_offset``, so that the table lands
+    on ``budget`` when evaluated; the table keeps ``target_b = budget`` and records the offset and
+    the B it expects on the calibration split (``calibration.solver_target_b``).
     """
     check_budget(budget, "--budget")
+    aim = check_b_offset(budget, b_offset)
     if fit not in FITS:
         raise PaskError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
     if envelope_kind not in ENVELOPES:
@@ -199,7 +206,7 @@ def calibrate(
     v_only = [BucketInput(name, it.stage, w, v=v_of(name)) for name, it, _, w in plan.buckets()]
     relaxing = (
         fit == "sensitivity"
-        and not solve(v_only, budget, eff_d, eff_p, base_b, l_cost, l2_cost, envelope_kind=envelope_kind).feasible
+        and not solve(v_only, aim, eff_d, eff_p, base_b, l_cost, l2_cost, envelope_kind=envelope_kind).feasible
     )
     if distortion_scope == "allowed" and not relaxing:  # only the D values the solver reads: at or above floors
         allowed = set()
@@ -235,7 +242,7 @@ def calibrate(
         )
         for name, it, g, w in plan.buckets()
     ]
-    sol = solve(inputs, budget, eff_d, eff_p, base_b, l_cost, l2_cost, fit, envelope_kind)
+    sol = solve(inputs, aim, eff_d, eff_p, base_b, l_cost, l2_cost, fit, envelope_kind)
     table_actions = {key: sol.actions[name] for name, *_ in plan.buckets() for key in plan.members(name)}
     v_wall, d_wall = (sum(r["wall_s"] for r in recs.values()) for recs in (v_recs, d_recs))
     meta = {
@@ -294,6 +301,8 @@ def calibrate(
         "needs": sol.needs,
         "fit": fit,
         "envelope": envelope_kind,
+        "b_offset": b_offset,
+        "solver_target_b": aim,
         "fitted": sol.fitted,
         "relaxed": sol.relaxed,
         "admitted_v": sol.admitted,
@@ -382,7 +391,13 @@ def report_markdown(table: FrozenTable, plan: BucketPlan, sol: Solution, control
         f"# PASK calibration: {table.model_name} on {table.task} ({meta['split']}, {meta['cases']} cases)",
         "",
         f"Table: {sol.summary()}; L cost {meta['l_cost']:.5f}, L2 cost {meta.get('l2_cost', float('nan')):.5f}; "
-        f"actions {', '.join(meta.get('actions', ['H', 'L', 'R']))}.",
+        f"actions {', '.join(meta.get('actions', ['H', 'L', 'R']))}."
+        + (
+            f" Dev check: B offset {meta['b_offset']:+.4f} (dev-measured minus expected), so the solver aimed at "
+            f"{meta['solver_target_b']:.4f} for a table that lands on {table.target_b:g}."
+            if meta.get("b_offset")
+            else ""
+        ),
         f"Tolerances alpha_D = {table.alpha_d}, alpha_P = {table.alpha_p} (effective "
         f"{meta.get('alpha_d_effective', table.alpha_d):.4f} / {meta.get('alpha_p_effective', table.alpha_p):.4f}: "
         f"V resolution {meta.get('v_resolution', 0):.4f}: {_resolution_rule(meta)}); {table.num_groups} layer groups; "
@@ -518,6 +533,14 @@ def _f(x) -> str:
 
 
 # -- dev check and CLI entry -----------------------------------------------------------------------
+def check_b_offset(budget: float, b_offset: float) -> float:
+    """The solver's target ``budget - b_offset``; :class:`PaskError` unless it lies in (0, 1]."""
+    aim = budget - b_offset
+    if not (math.isfinite(b_offset) and 0 < aim <= 1):
+        raise PaskError(f"--b-offset {b_offset:g} leaves the solver a target of {aim:g}, outside (0, 1]")
+    return round(aim, 6)
+
+
 def check_dev(
     lm,
     table: FrozenTable,
