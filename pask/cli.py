@@ -561,15 +561,15 @@ def calibrate(
 ) -> None:
     """Offline calibration: sensitivity floors + distortion-ranked upgrades -> frozen PASK table."""
     from pask.calibration.calibrate import calibrate_command, check_b_offset, check_probe_actions, report_path_for
+    from pask.calibration.solver import ENVELOPES, FITS
 
     check_budget(budget, "--budget")
     check_b_offset(budget, b_offset)
     if distortion_scope not in ("all", "allowed"):
         raise PaskError(f"--distortion-scope must be 'all' or 'allowed', got {distortion_scope!r}")
-    if fit not in ("floors", "sensitivity"):
-        raise PaskError(f"--fit must be 'floors' or 'sensitivity', got {fit!r}")
-    if envelope not in ("chain", "branch"):
-        raise PaskError(f"--envelope must be 'chain' or 'branch', got {envelope!r}")
+    for flag, value, choices in (("--fit", fit, FITS), ("--envelope", envelope, ENVELOPES)):
+        if value not in choices:
+            raise PaskError(f"{flag} must be {' or '.join(map(repr, choices))}, got {value!r}")
     for name, a in (("--alpha-d", alpha_d), ("--alpha-p", alpha_p)):
         if not 0 <= a < 1:
             raise PaskError(f"{name} must be in [0, 1), got {a}")
