@@ -224,3 +224,26 @@ def test_capture_per_row_follows_rows_leaving_the_batch():
     assert [float(o[-1, 0, 0]) for o in full] == [0.0, 1.0, 2.0]
     with pytest.raises(RuntimeError, match="captured 2 rows"):
         _capture_with([step([0, 1, 2]), step([0, 1])]).per_row([2, 2, 2])
+
+
+@pytest.mark.slow
+def test_a_finished_work_dir_resolves_without_its_captures(smol, tmp_path):
+    """Captures are large and not committed: re-solving a finished work dir at another budget must
+    not run the control again; a replay still to run makes the captures it needs again."""
+    torch.set_num_threads(1)
+    out = tmp_path / "t.json"
+    kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=24)
+    calibrate(smol, buckets=[], **kw)
+    plan = json.loads((work_dir_for(out) / "buckets.json").read_text())
+    item = next(it["name"] for it in plan["items"] if it["stage"] == "D")
+    calibrate(smol, buckets=[f"{item}|g0"], pool_groups=True, **kw)
+    ctrl = work_dir_for(out) / "control"
+    rows = (ctrl / "cases.jsonl").read_text()
+    for p in ctrl.glob("capture-*.pt"):
+        p.unlink()
+    table = calibrate(smol, buckets=[f"{item}|g0"], pool_groups=True, budget=0.5, **kw)
+    assert table.target_b == 0.5 and (ctrl / "cases.jsonl").read_text() == rows
+    assert not list(ctrl.glob("capture-*.pt"))
+    (work_dir_for(out) / "distortion.jsonl").unlink()
+    calibrate(smol, buckets=[f"{item}|g0"], pool_groups=True, budget=0.5, **kw)
+    assert len(list(ctrl.glob("capture-*.pt"))) == 1

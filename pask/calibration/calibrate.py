@@ -27,9 +27,9 @@ from pathlib import Path
 
 from pask.calibration.buckets import POOLED, BucketPlan, plan_buckets
 from pask.calibration.control import run_control
-from pask.calibration.distortion import run_distortion
+from pask.calibration.distortion import run_distortion, spaced
 from pask.calibration.screening import screen_all, screen_control_correct
-from pask.calibration.sensitivity import probe_policy, run_sensitivity
+from pask.calibration.sensitivity import probe_policy, read_records, run_sensitivity
 from pask.calibration.solver import ENVELOPES, FITS, ORDER, BucketInput, Solution, cost, envelope, floor_action, solve
 from pask.calibration.tasks import default_max_new_tokens, get_task
 from pask.errors import PaskError
@@ -168,7 +168,8 @@ def calibrate(
     t_start = time.perf_counter()
     cache_config = CacheConfig(num_groups=num_groups, recent_window=recent_window)
 
-    control = run_control(lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress, hooks)
+    # rows only: captures are needed (and made again when missing) only for replays still to run
+    control = run_control(lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress, hooks, ())
     plan = plan_buckets(control.rows, lm.num_layers, num_groups, recent_window, min_share, buckets)
     (work / "buckets.json").write_text(json.dumps(plan.to_json(), indent=2) + "\n")
     probes = plan.pooled() if pool_groups else [name for name, *_ in plan.buckets()]
@@ -215,6 +216,11 @@ def calibrate(
             allowed |= {(probe_of(name), a) for a in actions if ORDER.index(a) >= ORDER.index(floor)}
         d_candidates = [c for c in candidates if c in allowed]
     d_recs, d_run = {}, 0
+    if distortion and any(c not in read_records(work / "distortion.jsonl") for c in d_candidates):
+        need = [control.batches.index(b) for b in spaced(control.batches, distortion_batches)]
+        control = run_control(
+            lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress, hooks, need
+        )
     if distortion:
         d_recs, d_run = run_distortion(
             lm,

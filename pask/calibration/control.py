@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,8 +76,13 @@ def run_control(
     recent_window: int = 8,
     progress: Callable[[str, int, int], None] | None = None,
     task: CalibrationTask | None = None,
+    captures: Collection[int] | None = None,
 ) -> ControlRun:
-    """Run (or resume) the control; see the module docstring for the files. ``task``: BFCL by default."""
+    """Run (or resume) the control; see the module docstring for the files. ``task``: BFCL by default.
+
+    ``captures``: the batches whose attention capture must exist (None: all). A batch whose rows
+    are done but whose needed capture is missing (captures are large and not committed) is run
+    again; ``()`` only needs the rows, so a finished work dir re-solves without them."""
     task = task or get_task("bfcl")
     max_new_tokens = max_new_tokens or default_max_new_tokens(task.name)
     out = work_dir / "control"
@@ -100,7 +105,12 @@ def run_control(
     wall_file = out / "wall.json"
     wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else 0.0
     total = len(batches)
-    todo = [k for k, b in enumerate(batches) if not (all(i in done for i in b) and (out / _capture_name(k)).exists())]
+    need = range(len(batches)) if captures is None else set(captures)
+    todo = [
+        k
+        for k, b in enumerate(batches)
+        if not all(i in done for i in b) or (k in need and not (out / _capture_name(k)).exists())
+    ]
     if progress:
         progress("control", total - len(todo), total)
     with open(jsonl, "a") as f:
