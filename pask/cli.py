@@ -506,7 +506,9 @@ def inspect(
 def calibrate(
     model: ModelOpt = DEFAULT_MODEL,
     task: Annotated[str, typer.Option(help="task: bfcl or sql")] = "bfcl",
-    split: Annotated[str, typer.Option(help="calibration split (never test or live)")] = "calibration",
+    split: Annotated[
+        str, typer.Option(help="calibration split (never test or live); join splits with +, e.g. calibration+dev")
+    ] = "calibration",
     budget: Annotated[float, typer.Option(help="target total KV budget B in (0, 1]")] = 0.33,
     out: Annotated[Path, typer.Option(help="table file to write (work dir beside it; resumable)")] = Path(
         "pask-table.json"

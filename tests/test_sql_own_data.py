@@ -149,3 +149,19 @@ def test_eval_sql_on_own_data_end_to_end(own, tmp_path):
         if r["stop_reason"] == "eos":
             assert scope_errors(r["output"], load_schema(r["db_id"], own)) == [], r["output"]
     assert "Unrated EX" in (out / "summary.md").read_text()
+
+
+def test_calibration_may_join_splits_but_never_the_test_split():
+    from pask.calibration.tasks import get_task as calibration_task
+
+    load = calibration_task("sql").load
+    cal, dev = load("calibration", None, 3)[0], load("dev", None, 3)[0]
+    both, cats = load("calibration+dev", None, 3)
+    assert [c.id for c in both] == [c.id for c in cal + dev] and cats == [] and len(both) == 6
+    for bad, msg in [
+        ("calibration+test", "would leak the test split"),
+        ("dev+dev", "distinct split names"),
+        ("calibration+", "distinct split names"),
+    ]:
+        with pytest.raises(PaskError, match=msg):
+            load(bad, None, None)

@@ -31,15 +31,23 @@ class CalibrationTask:
 
 
 def _load(task: Task, split: str, categories: list[str] | None, limit: int | None) -> tuple[list, list[str]]:
-    """The cases to calibrate on and their categories (``[]`` for a task without them)."""
+    """The cases to calibrate on and their categories (``[]`` for a task without them).
+
+    ``split`` may join splits with ``+`` (``calibration+dev``: both, in that order; ``limit`` applies
+    to each), e.g. to measure on more databases than the calibration split holds."""
     given = {}
     if categories:
         if "categories" not in task.options:
             raise PaskError(f"task {task.name} has no categories: drop --categories for --task {task.name}")
         given["categories"] = list(categories)
     options = task.resolve_options(given)
-    task.check_fit(split, options)
-    cases = task.cases(split, limit, **options)
+    parts = split.split("+")
+    if "" in parts or len(set(parts)) != len(parts):
+        raise PaskError(f"split '{split}': join distinct split names with '+', e.g. calibration+dev")
+    cases = []
+    for part in parts:
+        task.check_fit(part, options)
+        cases += task.cases(part, limit, **options)
     cats = list(options.get("categories") or [])
     if not cases:
         raise PaskError(f"no {task.name} cases in split '{split}'" + (f" for categories {cats}" if cats else ""))
