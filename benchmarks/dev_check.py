@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             "next_offset": round(s["measured_b"] - table.expected_b, 4),
             "n": s["overall"]["n"],
             "dev_accuracy": acc,
+            "calibrated_on": meta.get("split", "calibration"),
+            # a table calibrated on dev too (--split calibration+dev) saw these cases: not held out
+            "dev_in_sample": "dev" in str(meta.get("split", "")).split("+"),
         }
         rows.append(row)
         print(
@@ -82,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         "# Dev check of PASK tables",
         "",
         "Measured B on the dev split against each table's target. `offset`: the table's `--b-offset`; "
-        "`next offset`: measured minus expected B, the `--b-offset` that re-solves it onto its target.",
+        "`next offset`: measured minus expected B, the `--b-offset` that re-solves it onto its target. "
+        "A dev accuracy marked * is in-sample: the table was calibrated on the dev split too.",
         "",
         "| table | target B | offset | expected B | measured B | deviation | next offset | B prompt | B decode "
         "| n | dev accuracy |",
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     md += [
         f"| {Path(r['table']).name} | {r['target_b']:g} | {r['b_offset']:+.4f} | {r['expected_b']:.4f} | "
         f"{r['measured_b']:.4f} | {r['deviation']:+.4f} | {r['next_offset']:+.4f} | {r['measured_b_prompt']:.4f} | "
-        f"{r['measured_b_decode']:.4f} | {r['n']} | {r['dev_accuracy']} |"
+        f"{r['measured_b_decode']:.4f} | {r['n']} | {r['dev_accuracy']}{' *' if r['dev_in_sample'] else ''} |"
         for r in rows
     ]
     command = "python benchmarks/dev_check.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
