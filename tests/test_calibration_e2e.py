@@ -107,14 +107,19 @@ def test_all_h_replay_reproduces_the_control_captures(smol, tmp_path, monkeypatc
     assert len(list((tmp_path / "store").rglob("*.pt"))) == len(rows)
 
 
+def _first_decode_item(smol, kw: dict) -> str:
+    """Run the control only (no bucket probed) into ``kw["out"]``'s work dir; the plan's first decode item."""
+    calibrate(smol, buckets=[], **kw)
+    plan = json.loads((work_dir_for(kw["out"]) / "buckets.json").read_text())
+    return next(it["name"] for it in plan["items"] if it["stage"] == "D")
+
+
 @pytest.mark.slow
 def test_pooled_calibration_probes_each_item_once_in_every_group(smol, tmp_path):
     torch.set_num_threads(1)
     out = tmp_path / "pooled.json"
     kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=24)
-    calibrate(smol, buckets=[], **kw)
-    plan = json.loads((work_dir_for(out) / "buckets.json").read_text())
-    item = next(it["name"] for it in plan["items"] if it["stage"] == "D")
+    item = _first_decode_item(smol, kw)
     pick = [f"{item}|g1", f"{item}|g3"]
     table = calibrate(smol, buckets=pick, pool_groups=True, **kw)
     assert table.calibration["pool_groups"] is True
@@ -233,9 +238,7 @@ def test_a_finished_work_dir_resolves_without_its_captures(smol, tmp_path):
     torch.set_num_threads(1)
     out = tmp_path / "t.json"
     kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=24)
-    calibrate(smol, buckets=[], **kw)
-    plan = json.loads((work_dir_for(out) / "buckets.json").read_text())
-    item = next(it["name"] for it in plan["items"] if it["stage"] == "D")
+    item = _first_decode_item(smol, kw)
     calibrate(smol, buckets=[f"{item}|g0"], pool_groups=True, **kw)
     ctrl = work_dir_for(out) / "control"
     rows = (ctrl / "cases.jsonl").read_text()

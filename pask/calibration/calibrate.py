@@ -216,8 +216,9 @@ def calibrate(
             allowed |= {(probe_of(name), a) for a in actions if ORDER.index(a) >= ORDER.index(floor)}
         d_candidates = [c for c in candidates if c in allowed]
     d_recs, d_run = {}, 0
-    if distortion and any(c not in read_records(work / "distortion.jsonl") for c in d_candidates):
-        need = [control.batches.index(b) for b in spaced(control.batches, distortion_batches)]
+    replayed = read_records(work / "distortion.jsonl") if distortion else {}
+    if distortion and any(c not in replayed for c in d_candidates):
+        need = spaced(list(range(len(control.batches))), distortion_batches)  # the batches run_distortion replays
         control = run_control(
             lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress, hooks, need
         )
