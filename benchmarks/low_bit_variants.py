@@ -6,13 +6,14 @@ Real dev prompts (BFCL: N per non-live category; text-to-SQL: the dev split's fi
 qwen2.5-coder-0.5b in fp32. For every layer the prompt's keys (after RoPE) and values are
 quantised outside the last ``queries + 8`` positions (the recent window of 8 stays exact), and the
 last ``queries`` positions attend causally; the relative L2 error of the attention output (all
-heads, all queries) against the exact one is averaged over layers and prompts. Quantisers, as
-in :mod:`pask.kv.quant`: asymmetric min-max per group of 32 along head_dim with a 16-bit scale
-and zero (keys balanced per channel first, as :func:`pask.kv.storage.key_balance`), plus three
-alternatives: a 64-point Hadamard rotation before quantising (``had``), and KIVI's keys, per
-channel over groups of 32 tokens (``kivi``). ``cost``: bytes per token over BF16 (codes plus
-scales and zeros). A pure-tensor simulation of the tier layouts (no cache, no kernels): it ranks
-layouts before one is built. Writes ``benchmarks/results/low_bit_variants.{json,md}``.
+heads, all queries) against the exact one is averaged over layers and prompts. The quantiser is
+the cache's own (:func:`pask.kv.quant.quantize_codes`): asymmetric min-max per group of 32 along
+head_dim with a bf16 scale and zero, keys balanced per channel first
+(:func:`pask.kv.storage.key_balance`). Alternatives: a 64-point Hadamard rotation before
+quantising (``had``), and KIVI's keys, per channel over groups of 32 tokens (``kivi``).
+``cost``: bytes per token over BF16 (codes plus scales and zeros). A pure-tensor simulation of
+the tier layouts (no cache, no kernels): it ranks layouts before one is built. Writes
+``benchmarks/results/low_bit_variants.{json,md}``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 from pask.evaluation.run_bfcl import prepare as prepare_bfcl
 from pask.evaluation.run_sql import prepare as prepare_sql
 from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.kv.quant import dequantize_codes, lowbit_bytes_per_vector, quantize_codes
+from pask.kv.storage import key_balance
 from pask.runtime.models import load_model
 from pask.tasks import get_task
 from pask.tasks.function_calling import NON_LIVE, load_cases
@@ -50,12 +53,10 @@ VARIANTS = {
 }
 
 
-def minmax(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Round trip of asymmetric min-max quantisation per group of GROUP along the last dim."""
-    g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = (hi - lo).clamp_min(1e-8) / (2**bits - 1)
-    return ((torch.round((g - lo) / scale).clamp(0, 2**bits - 1)) * scale + lo).reshape(x.shape)
+def minmax(x: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
+    """Round trip through the cache's quantiser (:func:`pask.kv.quant.quantize_codes`, bf16 scale and
+    zero per ``group`` values along the last dim)."""
+    return dequantize_codes(*quantize_codes(x, group, scale_dtype=torch.bfloat16, bits=bits))
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -69,20 +70,18 @@ def round_trip(x: torch.Tensor, bits: int, mode: str, key: bool) -> torch.Tensor
     """``x [1, Hkv, n, D]`` after quantisation with ``bits`` in ``mode`` (16: unchanged)."""
     if bits == 16:
         return x
-    if mode == "kivi":  # per channel over groups of GROUP tokens (the last partial group too)
+    if mode == "kivi":  # per channel over groups of GROUP tokens (the last, partial group as it is)
         n = x.shape[-2]
-        parts = [minmax(x[..., i : i + GROUP, :].transpose(-1, -2), bits) for i in range(0, n - n % GROUP, GROUP)]
-        out = [p.transpose(-1, -2) for p in parts]
-        if n % GROUP:
-            tail = x[..., n - n % GROUP :, :]
-            lo, hi = tail.amin(-2, keepdim=True), tail.amax(-2, keepdim=True)
-            s = (hi - lo).clamp_min(1e-8) / (2**bits - 1)
-            out.append(torch.round((tail - lo) / s).clamp(0, 2**bits - 1) * s + lo)
+        out = []
+        for i in range(0, n, GROUP):
+            c = x[..., i : i + GROUP, :].transpose(-1, -2)
+            m = c.shape[-1]  # an odd last group repeats its last token (same min / max) to pack
+            c = torch.cat([c, c[..., -1:]], -1) if m % 2 else c
+            out.append(minmax(c, bits, c.shape[-1])[..., :m].transpose(-1, -2))
         return torch.cat(out, -2)
     mid, bal = torch.zeros(()), torch.ones(())
     if key:  # per-channel balance, as the cache does for keys
-        hi, lo = x.amax(-2, keepdim=True), x.amin(-2, keepdim=True)
-        mid, bal = (hi + lo) / 2, (hi - lo).clamp_min(1e-4).sqrt()
+        mid, bal = key_balance(x[0])[:, :, None].unbind(1)
     y = (x - mid) / bal
     if mode == "had":
         h = hadamard(x.shape[-1])
@@ -93,10 +92,12 @@ def round_trip(x: torch.Tensor, bits: int, mode: str, key: bool) -> torch.Tensor
 
 
 def cost(kb: int, vb: int, head_dim: int = 64) -> float:
-    """Bytes per token over BF16: codes plus a 16-bit scale and zero per group (exact: 16 bits)."""
+    """Bytes per token over BF16 (:func:`pask.kv.quant.lowbit_bytes_per_vector`; exact: 1, released: 0)."""
 
     def side(b: int) -> float:
-        return 1.0 if b == 16 else 0.0 if b == 0 else b / 16 + 2 * 2 * (head_dim // GROUP) / (2 * head_dim)
+        return (
+            {16: 1.0, 0: 0.0}.get(b) if b in (0, 16) else lowbit_bytes_per_vector(head_dim, GROUP, b) / (2 * head_dim)
+        )
 
     return (side(kb) + side(vb)) / 2
 
