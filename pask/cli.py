@@ -556,6 +556,13 @@ def calibrate(
             "budget - offset (see docs/calibration.md)"
         ),
     ] = 0.0,
+    l2_key_bits: Annotated[
+        int,
+        typer.Option(
+            help="key width of the L2 action: 2 (INT2 keys and values) or 4 (K4V2: INT4 keys, INT2 values; "
+            "the L2 tier then costs 0.25 of BF16 instead of 0.1875)"
+        ),
+    ] = 2,
     batch_size: int = 8,
     dtype: str = "bf16",
     threads: int | None = None,
@@ -576,6 +583,8 @@ def calibrate(
         if not 0 <= a < 1:
             raise PaskError(f"{name} must be in [0, 1), got {a}")
     probe_actions = check_probe_actions(a.strip() for a in actions.split(",") if a.strip())
+    if l2_key_bits not in (2, 4):
+        raise PaskError(f"--l2-key-bits must be 2 or 4, got {l2_key_bits}")
     _threads(threads, prefill_store)
     with progress_bar() as bar:
         tasks: dict[str, int] = {}
@@ -607,6 +616,7 @@ def calibrate(
             fit=fit,
             envelope_kind=envelope,
             b_offset=b_offset,
+            l2_key_bits=l2_key_bits,
         )
     console.print(f"table: {out} (expected B {table.expected_b:.3f}); report: {report_path_for(out)}")
 

@@ -59,7 +59,7 @@ from pask.kv.attention import check_model, enable_pask_attention, register
 from pask.kv.budget import CostModel, check_budget
 from pask.kv.cache import CacheConfig, TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
-from pask.policies.base import Policy
+from pask.policies.base import Policy, with_key_bits
 from pask.policies.full import FullPolicy
 from pask.runtime.session import decide_row, row_budget
 
@@ -205,7 +205,7 @@ def kv_policy(
         raise PaskError(f"cache_config must be a pask.kv.cache.CacheConfig, got {type(cache_config).__name__}")
     register()
     check_model(hf)  # UnsupportedModelError (a PaskError) before anything is changed
-    return KVPolicy(hf, pol, cache_config or CacheConfig())
+    return KVPolicy(hf, pol, with_key_bits(cache_config or CacheConfig(), pol))
 
 
 class KVPolicy:
@@ -236,7 +236,7 @@ class KVPolicy:
         self._phase: str | None = None  # "prefill" | "step" between a pre-hook and its hook
         self.cache = self.new_cache()
         dtype = next(model.parameters()).dtype
-        self.costs = CostModel(self.cache.spec.head_dim, config.quant_group, dtype)
+        self.costs = CostModel(self.cache.spec.head_dim, config.quant_group, dtype, config.l2_key_bits)
 
     # -- context manager ----------------------------------------------------------------------
     def __enter__(self) -> KVPolicy:

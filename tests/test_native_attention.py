@@ -16,12 +16,13 @@ from pask.kv.attention import tiered_attention_reference
 from pask.kv.cache import attention_config
 
 
-def _layer(hkv, grp, d, lengths, mixes, seed=0, key_scale=1.0, window=4, bits=4):
+def _layer(hkv, grp, d, lengths, mixes, seed=0, key_scale=1.0, window=4, bits=4, l2_key_bits=2):
     """A one-layer bf16 cache with one row per length, tiers drawn from each row's mix: (H, low, R)
-    with the low share at ``bits`` (4: INT4, 2: INT2), or (H, INT4, INT2, R)."""
+    with the low share at ``bits`` (4: INT4, 2: INT2), or (H, INT4, INT2, R); ``l2_key_bits=4``: the
+    INT2 tier is K4V2."""
     gen = torch.Generator().manual_seed(seed)
     n = max(lengths)
-    cfg = CacheConfig(num_groups=1, recent_window=window)
+    cfg = CacheConfig(num_groups=1, recent_window=window, l2_key_bits=l2_key_bits)
     cache = TieredCache(attention_config(hkv, grp, d), cfg, len(lengths))
     cache.begin_prefill([n - x for x in lengths])
     k = (torch.randn(len(lengths), hkv, n, d, generator=gen) * key_scale).to(torch.bfloat16)
@@ -69,14 +70,16 @@ def test_kernel_builds_where_a_compiler_exists():
     mix=st.sampled_from([(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.34, 0.33, 0.33), (0.0, 0.5, 0.5), (0.0, 0.0, 1.0)]),
     seed=st.integers(0, 2**16),
     bits=st.sampled_from([4, 2, 3]),
+    k4v2=st.booleans(),
 )
-def test_matches_reference_on_random_tiers(native, shape, lengths, mix, seed, bits):
-    """INT4 and INT2 tiers (the INT2 tier token-major, scored one token at a time), alone and
-    (``bits=3``: the low share split between them) all three streams in one softmax."""
+def test_matches_reference_on_random_tiers(native, shape, lengths, mix, seed, bits, k4v2):
+    """INT4 and INT2 tiers (the INT2 tier token-major, scored one token at a time; ``k4v2``: its keys
+    at INT4), alone and (``bits=3``: the low share split between them) all three streams in one softmax."""
     if bits == 3:
         mix = (mix[0], mix[1] / 2, mix[1] / 2, mix[2])
     hkv, grp, d = shape
-    _, layer = _layer(hkv, grp, d, lengths, [mix] * len(lengths), seed=seed, bits=bits)
+    kb = 4 if k4v2 else 2
+    _, layer = _layer(hkv, grp, d, lengths, [mix] * len(lengths), seed=seed, bits=bits, l2_key_bits=kb)
     q = torch.randn(len(lengths), hkv * grp, 1, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     assert na.applies(q, layer)
     got = na.decode_layer(layer, q, d**-0.5)
@@ -233,10 +236,12 @@ def _assert_same_tiers(a, b) -> None:
     d=st.sampled_from([64, 128]),
     scale=st.sampled_from([1e-3, 1.0, 50.0]),
     flat=st.booleans(),
-    bits=st.sampled_from([4, 2]),
+    bits=st.sampled_from([4, 2, 24]),
 )
 def test_single_token_low_move_is_bit_exact_with_the_python_path(native, seed, d, scale, flat, bits):
-    """Decode-step moves (one position at a time) through the native mover equal the PyTorch path (INT4 and INT2)."""
+    """Decode-step moves (one position at a time) through the native mover equal the PyTorch path (INT4,
+    INT2 and ``bits=24``: K4V2, the INT2 tier with INT4 keys)."""
+    bits, kb = (2, 4) if bits == 24 else (bits, 2)
     gen = torch.Generator().manual_seed(seed)
     n, window = 150, 4
     k = (torch.randn(1, 2, n, d, generator=gen) * scale).to(torch.bfloat16)
@@ -249,7 +254,7 @@ def test_single_token_low_move_is_bit_exact_with_the_python_path(native, seed, d
     acts = [low if i % 3 else Action.R for i in range(len(order))]
     stores = []
     for use_native in (True, False):
-        cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native)
+        cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native, l2_key_bits=kb)
         cache = TieredCache(attention_config(2, 3, d), cfg, 1)
         cache.update(k, v, 0)
         cache.apply(0, 0, torch.tensor(order[:10]), low)  # the prefill-time batch fixes the key balance
@@ -406,13 +411,14 @@ def test_amx_switch_without_tiles_reports_off(native):
     d=st.sampled_from([64, 128]),
     scale=st.sampled_from([1e-3, 1.0, 50.0]),
     flat=st.booleans(),
-    bits=st.sampled_from([4, 2]),
+    bits=st.sampled_from([4, 2, 24]),
     n=st.integers(20, 400),
 )
 @example(seed=21, d=128, scale=1e-3, flat=False, bits=4, n=21)  # once drew single-position L batches only
 def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, scale, flat, bits, n):
     """Many positions at once (prefill-time actions, several batches landing mid-block) through the
-    native quantiser equal the PyTorch path, INT4 and INT2."""
+    native quantiser equal the PyTorch path, INT4, INT2 and K4V2 (``bits=24``)."""
+    bits, kb = (2, 4) if bits == 24 else (bits, 2)
     gen = torch.Generator().manual_seed(seed)
     window = 4
     k = (torch.randn(1, 2, n, d, generator=gen) * scale).to(torch.bfloat16)
@@ -428,7 +434,7 @@ def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, sca
     na.quantize_low = lambda *a: served.append(real(*a)) or served[-1]
     try:
         for use_native in (True, False):
-            cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native)
+            cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native, l2_key_bits=kb)
             cache = TieredCache(attention_config(2, 3, d), cfg, 1)
             cache.update(k, v, 0)
             low = Action.L if bits == 4 else Action.L2

@@ -57,6 +57,7 @@ class TimedPolicy:
     prefill_value_norm = _through("prefill_value_norm")
     step_attention = _through("step_attention")
     step_scorer = _through("step_scorer")
+    l2_key_bits = _through("l2_key_bits")
 
     def __init__(self, policy, clock: _Clock) -> None:
         self._policy, self._clock = policy, clock

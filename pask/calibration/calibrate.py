@@ -93,6 +93,7 @@ def calibrate(
     fit: str = "floors",
     envelope_kind: str = "chain",
     b_offset: float = 0.0,
+    l2_key_bits: int = 2,
 ) -> FrozenTable:
     """Calibrate a PASK table for ``lm`` on ``task``/``split`` under total budget ``budget``; see the module doc.
 
@@ -127,6 +128,9 @@ def calibrate(
     (release >= INT2 >= INT4 in harm, the paper's order) or ``"branch"`` (release and INT2 each >=
     INT4, unordered between themselves); see :mod:`pask.calibration.solver`.
 
+    ``l2_key_bits``: 4 makes the L2 action K4V2 (INT4 keys, INT2 values; cost 0.25 of BF16 at
+    head_dim 64), probed and costed as such; the table records it and runs on a K4V2 cache.
+
     ``b_offset``: the dev check's correction (B measured on the dev split minus the expected B of a
     table solved without it). The solver then aims at ``budget - b_offset``, so that the table lands
     on ``budget`` when evaluated; the table keeps ``target_b = budget`` and records the offset and
@@ -134,6 +138,8 @@ def calibrate(
     """
     check_budget(budget, "--budget")
     aim = check_b_offset(budget, b_offset)
+    if l2_key_bits not in (2, 4):
+        raise PaskError(f"l2_key_bits must be 2 or 4, got {l2_key_bits!r}")
     if fit not in FITS:
         raise PaskError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
     if envelope_kind not in ENVELOPES:
@@ -163,10 +169,11 @@ def calibrate(
             "recent_window": recent_window,
             "min_share": min_share,
             **({"probe_cases": probe_cases} if probe_cases is not None else {}),
+            **({"l2_key_bits": l2_key_bits} if l2_key_bits != 2 else {}),  # (older work dirs: INT2 keys)
         },
     )
     t_start = time.perf_counter()
-    cache_config = CacheConfig(num_groups=num_groups, recent_window=recent_window)
+    cache_config = CacheConfig(num_groups=num_groups, recent_window=recent_window, l2_key_bits=l2_key_bits)
 
     # rows only: captures are needed (and made again when missing) only for replays still to run
     control = run_control(lm, cases, work, batch_size, max_new_tokens, num_groups, recent_window, progress, hooks, ())
@@ -182,7 +189,7 @@ def calibrate(
         groups = {c.id: hooks.group(c) for c in cases}
         screen = screen_control_correct({r.id: r.correct for r in control.rows}, groups, n_pool, probe_cases)
     v_recs, v_run = run_sensitivity(
-        lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress, hooks, screen
+        lm, cases, control, plan, candidates, work, batch_size, max_new_tokens, progress, hooks, screen, l2_key_bits
     )
     # Resolution rule: with n calibration cases V moves in steps of 1/n, so a tolerance finer than one
     # case cannot be measured (any single flip, including bf16 noise, would exceed it). The solver
@@ -197,7 +204,7 @@ def calibrate(
         return {a: v_recs[(probe_of(name), a)]["v"] for a in actions if (probe_of(name), a) in v_recs}
 
     spec = attention_spec(lm.model.config, cache_config.quant_group)
-    costs = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype)
+    costs = CostModel(spec.head_dim, cache_config.quant_group, lm.model.dtype, cache_config.l2_key_bits)
     l_cost, l2_cost = costs.l_ratio, costs.l2_ratio  # 0.3125 and 0.1875 in bf16 at head_dim 64
     default = "H"
     base_b = plan.window_share + plan.base_share() * cost(default, l_cost, l2_cost)
@@ -229,7 +236,7 @@ def calibrate(
             plan,
             d_candidates,
             work,
-            lambda b, a: probe_policy(plan, b, a, lm.fingerprint, recent_window),
+            lambda b, a: probe_policy(plan, b, a, lm.fingerprint, recent_window, l2_key_bits),
             cache_config,
             progress,
             distortion_batches,
@@ -329,6 +336,7 @@ def calibrate(
         alpha_p=alpha_p,
         default_action=default,
         calibration=meta,
+        l2_key_bits=l2_key_bits,
     )
     table.save(out)
     report_path_for(out).write_text(report_markdown(table, plan, sol, control, v_recs, d_recs))

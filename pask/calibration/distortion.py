@@ -128,6 +128,10 @@ class ForcedContext(PolicyBase):
     def target_b(self) -> float:
         return self.policy.target_b
 
+    @property
+    def l2_key_bits(self) -> int | None:  # type: ignore[override]
+        return self.policy.l2_key_bits
+
     def reset(self, seq: int) -> None:
         self.policy.reset(seq)
 

@@ -38,10 +38,14 @@ def slug(bucket: str, action: str) -> str:
     return f"{action}-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", bucket)
 
 
-def probe_policy(plan, bucket: str, action: str, fingerprint: str, recent_window: int) -> PaskPolicy:
-    """PASK policy where only ``bucket`` (all its member table keys) gets ``action``."""
+def probe_policy(
+    plan, bucket: str, action: str, fingerprint: str, recent_window: int, l2_key_bits: int = 2
+) -> PaskPolicy:
+    """PASK policy where only ``bucket`` (all its member table keys) gets ``action`` (L2 at ``l2_key_bits``)."""
     acts = dict.fromkeys(plan.members(bucket), action)
-    table = FrozenTable(acts, fingerprint, num_groups=plan.num_groups, recent_window=recent_window)
+    table = FrozenTable(
+        acts, fingerprint, num_groups=plan.num_groups, recent_window=recent_window, l2_key_bits=l2_key_bits
+    )
     return PaskPolicy(table)
 
 
@@ -57,6 +61,7 @@ def run_sensitivity(
     progress: Callable[[str, int, int], None] | None = None,
     task: CalibrationTask | None = None,
     screen: Screen | None = None,
+    l2_key_bits: int = 2,
 ) -> tuple[dict[tuple[str, str], dict], int]:
     """V(q, a) for every candidate; returns (records by candidate, candidates computed by this call).
 
@@ -76,7 +81,7 @@ def run_sensitivity(
     with open(path, "a") as f:
         for bucket, action in todo:
             t0 = time.perf_counter()
-            policy = probe_policy(plan, bucket, action, lm.fingerprint, plan.recent_window)
+            policy = probe_policy(plan, bucket, action, lm.fingerprint, plan.recent_window, l2_key_bits)
             meta = {"model": lm.name, "policy": f"pask probe {bucket} -> {action}"}
             run_dir = work_dir / "sensitivity" / slug(bucket, action)
             s = task.run(

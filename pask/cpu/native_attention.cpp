@@ -12,6 +12,8 @@
 //            kbal   [Hkv, 2, D] f32 (mid, bal): k = k' * bal + mid
 //   L2 tier (INT2): kq [Hkv, lcap, D/4] u8, token-major, byte j holds codes
 //            4j..4j+3 at bit offsets 0, 2, 4, 6; k' = (c - 2) * scale + zero; ksz as above;
+//            K4V2 (kbits2 = 4): kq [Hkv, lcap, D/2] u8, byte j holds codes 2j (low), 2j + 1 (high),
+//            k' = (c - 8) * scale + zero;
 //            vq [Hkv, D/32, lcap, 8] u8 (a group's 32 codes, four per byte); vs, vz as above
 //
 // Scores of INT4 keys never dequantise a key: with qs = q * bal * scaling,
@@ -765,11 +767,11 @@ struct LHead {
   alignas(64) float qsum[MAXD / QG][MAXR];
   alignas(64) float cst[MAXR];
 
-  LHead(const State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int bits) {
+  LHead(const State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int kbits, int vbits) {
     const int64_t D = st.D, G = st.G, cap = s.lcap, hh = h;
-    KQ = s.kq + hh * cap * D * bits / 8;
+    KQ = s.kq + hh * cap * D * kbits / 8;
     KSZ = s.ksz + hh * G * cap * 2;
-    VQ = s.vq + hh * G * cap * (QG * bits / 8);
+    VQ = s.vq + hh * G * cap * (QG * vbits / 8);
     VS = s.vs + hh * G * cap;
     VZ = s.vz + hh * G * cap;
     balanced_query(st, qf, scaling, s.kbal + hh * 2 * D, qs, qsum, cst);
@@ -798,7 +800,7 @@ inline void add_group_scores(State& st, const float (*a)[BT], const float* scl, 
 void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap;
-  const LHead L(st, qf, scaling, s, h, 4);
+  const LHead L(st, qf, scaling, s, h, 4, 4);
   const uint8_t *KQ = L.KQ, *VQ = L.VQ;
   const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
   const auto& qs = L.qs;
@@ -1026,7 +1028,7 @@ void h_stream_amx(State& st, const uint16_t* qb, float scaling, const Seq& s, in
 void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap, nb = (s.ln + BT - 1) / BT, lp = nb * BT;
-  const LHead L(st, qf, scaling, s, h, 4);
+  const LHead L(st, qf, scaling, s, h, 4, 4);
   const uint8_t *KQ = L.KQ, *VQ = L.VQ;
   const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
   const auto& qs = L.qs;
@@ -1169,19 +1171,22 @@ struct Quads {
 };
 const Quads kQuads;
 
-// The INT2 tier: token-major codes. Keys: a block's code bytes are transposed (byte j of every token
-// in one row), so each channel's codes unpack and score BT tokens at a time without horizontal sums;
-// values: each byte unpacks through kQuads into the interleaved accumulator.
-void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+// The INT2 tier: token-major codes. Keys (kbits 2, or 4 for K4V2: two codes a byte, zero point 8):
+// a block's code bytes are transposed (byte j of every token in one row), so each channel's codes
+// unpack and score BT tokens at a time without horizontal sums; values (always INT2): each byte
+// unpacks through kQuads into the interleaved accumulator.
+void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int kbits) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap;
-  const LHead L(st, qf, scaling, s, h, 2);
+  const int per_byte = 8 / kbits, row_bytes = D / per_byte, kmask = (1 << kbits) - 1;
+  const float kzp = static_cast<float>(1 << (kbits - 1));
+  const LHead L(st, qf, scaling, s, h, kbits, 2);
   const uint8_t *KQ = L.KQ, *VQ = L.VQ;
   const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
   const auto& qs = L.qs;
   const auto& qsum = L.qsum;
   const auto& cst = L.cst;
-  alignas(64) uint8_t bt[MAXD / 4][BT];
+  alignas(64) uint8_t bt[MAXD / 2][BT];
   alignas(64) float a[MAXR][BT];
   alignas(64) float codes[BT];
   alignas(64) float scl[BT], off[BT];
@@ -1189,26 +1194,26 @@ void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, 
   for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
     const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
     for (int t = 0; t < nt; ++t) {
-      const uint8_t* row = KQ + (t0 + t) * (D / 4);
-      for (int j = 0; j < D / 4; ++j) bt[j][t] = row[j];
+      const uint8_t* row = KQ + (t0 + t) * row_bytes;
+      for (int j = 0; j < row_bytes; ++j) bt[j][t] = row[j];
     }
-    for (int j = 0; j < D / 4; ++j) std::fill(bt[j] + nt, bt[j] + BT, uint8_t{0});
+    for (int j = 0; j < row_bytes; ++j) std::fill(bt[j] + nt, bt[j] + BT, uint8_t{0});
     for (int r = 0; r < grp; ++r)
       for (int t = 0; t < BT; ++t) st.sc[r][t] = cst[r];
     for (int g = 0; g < G; ++g) {
       const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
       for (int t = 0; t < nt; ++t) {
         scl[t] = bf2f(sz[2 * t]);
-        off[t] = bf2f(sz[2 * t + 1]) - 2.0f * scl[t];
+        off[t] = bf2f(sz[2 * t + 1]) - kzp * scl[t];
       }
       std::fill(scl + nt, scl + BT, 0.0f);  // past nt: finite scores, weight 0 after absorb
       std::fill(off + nt, off + BT, 0.0f);
       for (int r = 0; r < grp; ++r) std::fill(a[r], a[r] + BT, 0.0f);
       for (int d = g * QG; d < (g + 1) * QG; ++d) {
-        const uint8_t* row = bt[d >> 2];
-        const int sh = 2 * (d & 3);
+        const uint8_t* row = bt[d / per_byte];
+        const int sh = kbits * (d % per_byte);
 #pragma omp simd
-        for (int t = 0; t < BT; ++t) codes[t] = static_cast<float>((row[t] >> sh) & 3);
+        for (int t = 0; t < BT; ++t) codes[t] = static_cast<float>((row[t] >> sh) & kmask);
         accumulate_codes(grp, qs, d, codes, a);
       }
       add_group_scores(st, a, scl, off, qsum[g]);
@@ -1265,7 +1270,7 @@ int pask_attention_use_amx(int want) {
 // Returns 0, or -1 for an unsupported shape (nothing written).
 // q, out: [nseq, hkv * grp, D] (q bf16, out f32); per-sequence arrays of pointers (null = no tier /
 // finished sequence) and slot counts: the H tier, the INT4 tier (kq .. ln), the INT2 tier
-// (kq2 .. ln2); kbal is shared by both low tiers. A sequence with no tier gets zeros.
+// (kq2 .. ln2; kbits2: its key width, 2 or 4 for K4V2); kbal is shared by both low tiers. A sequence with no tier gets zeros.
 // probs (may be null; so may each entry): per sequence fp32 [hkv, hn + ln + ln2], the softmax
 // weights of its H slots, then its INT4 slots, then its INT2 slots, averaged over each kv head's
 // query rows (the step attention).
@@ -1275,8 +1280,9 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
                       const void* const* vs, const void* const* vz, const int64_t* lcap, const int64_t* ln,
                       const void* const* kq2, const void* const* ksz2, const void* const* vq2,
                       const void* const* vs2, const void* const* vz2, const int64_t* lcap2, const int64_t* ln2,
-                      const void* const* kbal, float* out, int nthreads, void* const* probs) {
+                      int kbits2, const void* const* kbal, float* out, int nthreads, void* const* probs) {
   if (D % QG != 0 || D > MAXD || D <= 0 || grp < 1 || grp > MAXR || hkv < 1 || nseq < 0) return -1;
+  if (kbits2 != 2 && kbits2 != 4) return -1;
   const int ntask = nseq * hkv;
   const int64_t rows = static_cast<int64_t>(hkv) * grp;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
@@ -1328,7 +1334,7 @@ int pask_decode_layer(int nseq, int hkv, int grp, int D, float scaling, const ui
 #endif
         l_stream(st, qf, scaling, s, h);
     }
-    if (s2.ln > 0) l2_stream(st, qf, scaling, s2, h);
+    if (s2.ln > 0) l2_stream(st, qf, scaling, s2, h, kbits2);
 #if defined(PASK_AMX)
     if (st.amx) _tile_release();
 #endif
@@ -1411,10 +1417,13 @@ void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* 
 
 // One token of one kv head into L slot `lslot`: keys balanced (k - mid) / bal, both quantised per
 // group of QG (pask.kv.quant.quantize_codes, bit-exact), written in the L tier's layouts.
-void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, const float* bal, int D, int bits, int h,
-                    uint8_t* KQ, uint16_t* KSZ, uint8_t* VQ, uint16_t* VS, uint16_t* VZ, int64_t lc, int64_t lslot) {
+// bits: the value width (4: the L tier, blocked keys; 2: the L2 tier, token-major keys of kbits).
+void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, const float* bal, int D, int bits,
+                    int kbits, int h, uint8_t* KQ, uint16_t* KSZ, uint8_t* VQ, uint16_t* VS, uint16_t* VZ, int64_t lc,
+                    int64_t lslot) {
   const int G = D / QG;
-  const int qmax = (1 << bits) - 1, kzp = 1 << (bits - 1);  // key zero point: 8 at 4 bits, 2 at 2 bits
+  const int qmax = (1 << bits) - 1, kmax = (1 << kbits) - 1;
+  const int kzp = 1 << (kbits - 1);  // key zero point: 8 at 4 bits, 2 at 2 bits
   const int64_t blk = lslot / BT, i = lslot % BT, col = i % (BT / 2);
   const bool high = i >= BT / 2;
   alignas(64) float kx[MAXD], vx[MAXD];
@@ -1425,7 +1434,7 @@ void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, cons
   for (int g = 0; g < G; ++g) {
     uint8_t kc[QG], vc[QG];
     uint16_t ks, kz, vsc, vzr;
-    quantize_group(kx + g * QG, kzp, qmax, kc, &ks, &kz);
+    quantize_group(kx + g * QG, kzp, kmax, kc, &ks, &kz);
     quantize_group(vx + g * QG, 0, qmax, vc, &vsc, &vzr);
     const int64_t gs = (static_cast<int64_t>(h) * G + g) * lc + lslot;
     if (bits == 4) {
@@ -1435,11 +1444,13 @@ void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, cons
       }
       for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
     } else {
-      uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / 4) + g * (QG / 4);
-      for (int j = 0; j < QG / 4; ++j) {
-        krow[j] = pack_quad(kc + 4 * j);
-        VQ[gs * (QG / 4) + j] = pack_quad(vc + 4 * j);
-      }
+      const int kpb = 8 / kbits;  // key codes a byte (token-major)
+      uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / kpb) + g * (QG / kpb);
+      if (kbits == 4)
+        for (int j = 0; j < QG / 2; ++j) krow[j] = static_cast<uint8_t>(kc[2 * j] | (kc[2 * j + 1] << 4));
+      else
+        for (int j = 0; j < QG / 4; ++j) krow[j] = pack_quad(kc + 4 * j);
+      for (int j = 0; j < QG / 4; ++j) VQ[gs * (QG / 4) + j] = pack_quad(vc + 4 * j);
     }
     KSZ[2 * gs] = ks;
     KSZ[2 * gs + 1] = kz;
@@ -1457,8 +1468,9 @@ extern "C" {
 int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const void* const* hv,
                      const int64_t* hcap, int64_t slot, int64_t last, const void* const* kq, const void* const* ksz,
                      const void* const* vq, const void* const* vs, const void* const* vz, const int64_t* lcap,
-                     int64_t lslot, const void* const* kbal, int bits) {
+                     int64_t lslot, const void* const* kbal, int bits, int kbits) {
   if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || (bits != 4 && bits != 2)) return -1;
+  if (bits == 4 ? kbits != 4 : (kbits != 2 && kbits != 4)) return -1;
   for (int li = 0; li < nlayers; ++li) {
     uint16_t* K = static_cast<uint16_t*>(const_cast<void*>(hk[li]));
     uint16_t* V = static_cast<uint16_t*>(const_cast<void*>(hv[li]));
@@ -1473,7 +1485,7 @@ int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const v
       uint16_t* k = K + (static_cast<int64_t>(h) * hc + slot) * D;
       uint16_t* v = V + (static_cast<int64_t>(h) * hc + slot) * D;
       const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
-      quantize_token(k, v, mid, mid + D, D, bits, h, KQ, KSZ, VQ, VS, VZ, lc, lslot);
+      quantize_token(k, v, mid, mid + D, D, bits, kbits, h, KQ, KSZ, VQ, VS, VZ, lc, lslot);
       if (last != slot) {
         std::memcpy(k, K + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
         std::memcpy(v, V + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
@@ -1488,8 +1500,9 @@ int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const v
 // [lslot, lslot + n) (capacity already reserved), bit-exact with pask.kv.quant as the move is.
 // Parallel over (kv head, 64-slot block): the two slots sharing an INT4 key byte stay in one task.
 int pask_quantize_low(int hkv, int D, const void* k, const void* v, int64_t n, void* kq, void* ksz, void* vq, void* vs,
-                      void* vz, int64_t lcap, int64_t lslot, const void* kbal, int bits, int nthreads) {
+                      void* vz, int64_t lcap, int64_t lslot, const void* kbal, int bits, int kbits, int nthreads) {
   if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || n < 0 || (bits != 4 && bits != 2)) return -1;
+  if (bits == 4 ? kbits != 4 : (kbits != 2 && kbits != 4)) return -1;
   if (lslot < 0 || lslot + n > lcap) return -1;
   const uint16_t* K = static_cast<const uint16_t*>(k);
   const uint16_t* V = static_cast<const uint16_t*>(v);
@@ -1503,7 +1516,7 @@ int pask_quantize_low(int hkv, int D, const void* k, const void* v, int64_t n, v
     const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
     for (int64_t sl = s0; sl < s1; ++sl) {
       const int64_t t = sl - lslot;
-      quantize_token(K + (h * n + t) * D, V + (h * n + t) * D, mid, mid + D, D, bits, h, static_cast<uint8_t*>(kq),
+      quantize_token(K + (h * n + t) * D, V + (h * n + t) * D, mid, mid + D, D, bits, kbits, h, static_cast<uint8_t*>(kq),
                      static_cast<uint16_t*>(ksz), static_cast<uint8_t*>(vq), static_cast<uint16_t*>(vs),
                      static_cast<uint16_t*>(vz), lcap, sl);
     }

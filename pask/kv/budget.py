@@ -2,7 +2,7 @@
 
 Cost model (per token, per layer, relative to keeping it in full precision):
 ``H = 1``, ``L = INT4 bytes (codes + bf16 scale/zero) / full-precision bytes``, ``L2 = INT2 bytes /
-full-precision bytes``, ``R = 0``.
+full-precision bytes`` (K4V2: the mean of its INT4 key and INT2 value bytes), ``R = 0``.
 
 Measured budget: ``B = held bytes / bytes of the same tokens all kept H``, split into
 ``B_P`` (prompt tokens), ``B_D`` (generated tokens) and ``B`` (all). "Full precision" is the
@@ -47,6 +47,7 @@ class CostModel:
     head_dim: int = 64
     quant_group: int = 32
     dtype: torch.dtype = torch.bfloat16
+    l2_key_bits: int = 2  # 4: the L2 tier is K4V2 (INT4 keys, INT2 values; CacheConfig.l2_key_bits)
 
     @property
     def full_bytes_per_vector(self) -> int:
@@ -59,8 +60,11 @@ class CostModel:
 
     @property
     def l2_ratio(self) -> float:
-        """L2 (INT2) cost: 0.1875 over BF16 at D=64, group 32."""
-        return lowbit_bytes_per_vector(self.head_dim, self.quant_group, 2) / self.full_bytes_per_vector
+        """L2 cost: 0.1875 over BF16 at D=64, group 32 (INT2 keys and values); 0.25 for K4V2 (the mean of
+        an INT4 key and an INT2 value vector)."""
+        k = lowbit_bytes_per_vector(self.head_dim, self.quant_group, self.l2_key_bits)
+        v = lowbit_bytes_per_vector(self.head_dim, self.quant_group, 2)
+        return (k + v) / 2 / self.full_bytes_per_vector
 
     def cost(self, action: Action) -> float:
         a = Action(int(action))

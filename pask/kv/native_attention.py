@@ -52,15 +52,15 @@ def _load() -> ctypes.CDLL:
     f = lib.pask_decode_layer
     vp, i64 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
     f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp, vp, i64, i64] + ([vp] * 5 + [i64, i64]) * 2
-    f.argtypes += [vp, vp, ctypes.c_int, vp]
+    f.argtypes += [ctypes.c_int, vp, vp, ctypes.c_int, vp]
     f.restype = ctypes.c_int
     m = lib.pask_move_to_low
     m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
-    m.argtypes += [i64, ctypes.c_int64, vp, ctypes.c_int]
+    m.argtypes += [i64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int]
     m.restype = ctypes.c_int
     b = lib.pask_quantize_low
     b.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_int64] + [vp] * 5
-    b.argtypes += [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int]
+    b.argtypes += [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     b.restype = ctypes.c_int
     a = lib.pask_append_h
     a.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, i64, i64]
@@ -164,6 +164,7 @@ def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = Fal
     names = ("kh", "vh", *low, *(x + "2" for x in low), "kbal")
     arrays = {k: [None] * bsz for k in names}
     counts = {k: [0] * bsz for k in ("hcap", "hn", "lcap", "ln", "lcap2", "ln2")}
+    kbits2 = next((s.l2_kbits for s in seqs if s is not None), 2)  # one cache config: one L2 key width
     for b in range(bsz):
         st = seqs[b] if b < len(seqs) else None
         if st is None:
@@ -189,7 +190,7 @@ def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = Fal
         bsz, hkv, hq // hkv, d, float(scaling), q.data_ptr(),
         ptrs["kh"], ptrs["vh"], n["hcap"], n["hn"],
         *(ptrs[k] for k in low), n["lcap"], n["ln"],
-        *(ptrs[k + "2"] for k in low), n["lcap2"], n["ln2"],
+        *(ptrs[k + "2"] for k in low), n["lcap2"], n["ln2"], kbits2,
         ptrs["kbal"], out.data_ptr(), torch.get_num_threads(), ptrs.get("probs"),
     )  # fmt: skip
     if rc != 0:
@@ -234,6 +235,7 @@ def move_to_low(stores: list, slot: int, last: int, lslot: int, bits: int = 4) -
         lslot,
         vp(*[_ptr(s.kbal) for s in stores]),
         bits,
+        stores[0].key_bits(bits),
     )
     if rc != 0:
         raise RuntimeError(f"native low-bit move rejected the shape (head_dim {d}, {bits} bits)")
@@ -291,7 +293,7 @@ def quantize_low(store, k: torch.Tensor, v: torch.Tensor, bits: int = 4) -> bool
     rc = _LIB.pask_quantize_low(
         heads, d, k.data_ptr(), v.data_ptr(), n,
         *(_ptr(t[x]) for x in ("kq", "ksz", "vq", "vs", "vz")),
-        lt.cap, lslot, _ptr(store.kbal), bits, torch.get_num_threads(),
+        lt.cap, lslot, _ptr(store.kbal), bits, store.key_bits(bits), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native low-bit quantiser rejected the shape (head_dim {d}, {bits} bits)")

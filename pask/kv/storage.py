@@ -400,9 +400,11 @@ class _SeqStore:
     codes per group as adjacent pairs (the GEMM's layout for a ``[g, tokens]`` weight), ``vs, vz
     [Hkv, D/g, cap]`` value scale and zero. L2 tier (INT2): ``kq [Hkv, cap, D/4]`` (four codes per
     byte, :func:`~pask.kv.quant.pack_quads`, ``k' = (code - 2) * scale + zero``) and
-    ``vq [Hkv, D/g, cap, g/4]``; scales and zeros as at 4 bits. A tier allocates nothing until its
-    first token. Scales and zeros are bf16 (same 2 bytes as fp16; the int4 GEMM reads bf16),
-    rounded so the round-trip error stays within ``scale / 2``. Keys are balanced per channel
+    ``vq [Hkv, D/g, cap, g/4]``; scales and zeros as at 4 bits. With ``CacheConfig.l2_key_bits = 4``
+    (K4V2) the L2 tier keeps its keys at INT4 instead, token-major ``kq [Hkv, cap, D/2]`` (two codes a
+    byte, :func:`~pask.kv.quant.pack_pairs`, ``k' = (code - 8) * scale + zero``), values still INT2.
+    A tier allocates nothing until its first token. Scales and zeros are bf16 (same 2 bytes as fp16;
+    the int4 GEMM reads bf16), rounded so the round-trip error stays within ``scale / 2``. Keys are balanced per channel
     before quantisation (:func:`key_balance`): the codes hold ``k' = (k - mid) / bal`` and
     ``k = k' * bal + mid``, with ``kbal [Hkv, 2, D]`` (fp32, counted in the held bytes) shared by
     both low tiers and fixed at the first low-bit write from the keys the H tier then holds (at
@@ -416,10 +418,10 @@ class _SeqStore:
             {"k": _Plain((), (head_dim,), dtype), "v": _Plain((), (head_dim,), dtype)}, heads, device, cfg, stats
         )
 
-        def low(bits: int) -> _Tier:
+        def low(bits: int, kbits: int) -> _Tier:
             per_byte = 8 // bits
             parts = {
-                "kq": _BlockedCodes(head_dim) if bits == 4 else _Plain((), (head_dim // per_byte,), torch.uint8),
+                "kq": _BlockedCodes(head_dim) if bits == 4 else _Plain((), (head_dim * kbits // 8,), torch.uint8),
                 "ksz": _Plain((g,), (2,), SCALE_DTYPE),
                 "vq": _Plain((g,), (cfg.quant_group // per_byte,), torch.uint8),
                 "vs": _Plain((g,), (), SCALE_DTYPE),
@@ -427,8 +429,9 @@ class _SeqStore:
             }
             return _Tier(parts, heads, device, cfg, stats, align=BLOCK if bits == 4 else 1)
 
-        self.l = low(4)
-        self.l2 = low(2)
+        self.l2_kbits = check_bits(getattr(cfg, "l2_key_bits", 2))  # K4V2 when 4
+        self.l = low(4, 4)
+        self.l2 = low(2, self.l2_kbits)
         self.kbal: torch.Tensor | None = None  # [Hkv, 2, D] fp32: per-channel mid-range, sqrt(range)
         self.balanced = getattr(cfg, "key_balance", True)
         self.native = getattr(cfg, "native", True)  # bulk low-bit writes by the native kernel where they apply
@@ -440,6 +443,11 @@ class _SeqStore:
     def low(self, bits: int) -> _Tier:
         """The low-bit tier of ``bits`` (4: L, 2: L2)."""
         return self.l if check_bits(bits) == 4 else self.l2
+
+    def key_bits(self, bits: int) -> int:
+        """Key code width of the ``bits`` tier: 4 for L; 2 for L2, or 4 where the cache stores K4V2
+        (``CacheConfig.l2_key_bits``: INT4 keys token-major, two codes a byte, INT2 values)."""
+        return 4 if check_bits(bits) == 4 else self.l2_kbits
 
     def tiers(self) -> tuple[_Tier, _Tier, _Tier]:
         """H, L, L2."""
@@ -463,13 +471,15 @@ class _SeqStore:
                 return
         mid, bal = self.kbal[:, 0:1], self.kbal[:, 1:2]
         b = check_bits(bits)
-        kc, ks, kz = quantize_codes((k.float() - mid) / bal, self.group, key_zero_point(b), SCALE_DTYPE, b)
+        kb = self.key_bits(b)
+        kc, ks, kz = quantize_codes((k.float() - mid) / bal, self.group, key_zero_point(kb), SCALE_DTYPE, kb)
         vc, vs, vz = quantize_codes(v, self.group, 0, SCALE_DTYPE, b)
         ksz = torch.stack([ks, kz], dim=-1).transpose(1, 2)
         heads, n, d = vc.shape
         pack = pack_pairs if b == 4 else pack_quads
         vq = pack(vc.view(heads, n, d // self.group, self.group)).transpose(1, 2)
-        kq = kc if b == 4 else pack_quads(kc)  # the INT4 key part takes unpacked codes (blocked layout)
+        # the INT4 tier's key part takes unpacked codes (blocked layout); L2 keys are token-major
+        kq = kc if b == 4 else (pack_pairs if kb == 4 else pack_quads)(kc)
         self.low(b).append(kq=kq, ksz=ksz, vq=vq, vs=vs.transpose(1, 2), vz=vz.transpose(1, 2))
 
     def low_kv(
@@ -487,9 +497,13 @@ class _SeqStore:
             stop = lt.n if stop is None else stop
             slots = torch.arange(start, stop, device=lt.device)
         t = lt.t
-        codes = lt.parts["kq"].read(t["kq"], slots) if bits == 4 else unpack_quads(t["kq"].index_select(1, slots))
+        kb = self.key_bits(bits)
+        if bits == 4:
+            codes = lt.parts["kq"].read(t["kq"], slots)
+        else:
+            codes = (unpack_pairs if kb == 4 else unpack_quads)(t["kq"].index_select(1, slots))
         sz = t["ksz"].index_select(2, slots).float().transpose(1, 2)  # [Hkv, m, G, 2]
-        k = dequantize_codes(codes, sz[..., 0], sz[..., 1], torch.float32, zero_point=key_zero_point(bits))
+        k = dequantize_codes(codes, sz[..., 0], sz[..., 1], torch.float32, zero_point=key_zero_point(kb))
         k = (k * self.kbal[:, 1:2] + self.kbal[:, 0:1]).to(dtype)
         vs = t["vs"].index_select(2, slots).transpose(1, 2)
         vz = t["vz"].index_select(2, slots).transpose(1, 2)

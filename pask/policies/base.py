@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -9,6 +10,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from pask.kv.actions import Action
+from pask.kv.config import CacheConfig
 
 #: One action of a policy: (layer group, positions, action).
 ActionSpec = tuple[int, torch.Tensor, Action]
@@ -68,6 +70,10 @@ class Policy(Protocol):
     :class:`~pask.policies.pask.PaskPolicy` has a ``table`` (its :class:`~pask.policies.table.FrozenTable`);
     it is not part of the protocol.
 
+    ``l2_key_bits``: the key code width the policy's L2 action was calibrated with (4 for a PASK
+    K4V2 table: INT4 keys, INT2 values); the decode core builds its cache with it
+    (``CacheConfig.l2_key_bits``). ``None``: whatever the cache is configured with (2 by default).
+
     ``needs_tags``: the policy reads the structural tags of generated tokens and the labels of
     prompt tokens (PASK), so the caller attaches a tagger and prompt labels to each request.
 
@@ -93,6 +99,7 @@ class Policy(Protocol):
     prefill_value_norm: bool
     step_attention: bool
     step_scorer: Callable | None
+    l2_key_bits: int | None
 
     @property
     def target_b(self) -> float:
@@ -127,6 +134,7 @@ class PolicyBase:
     prefill_value_norm: bool = False
     step_attention: bool = False
     step_scorer: Callable | None = None
+    l2_key_bits: int | None = None  # the key width its L2 action needs (4: K4V2); None: the cache's own
 
     @property
     def target_b(self) -> float:
@@ -137,3 +145,15 @@ class PolicyBase:
     def reset(self, seq: int) -> None:
         """Forget the per-sequence state of row ``seq``: nothing to forget here."""
         del seq
+
+
+def with_key_bits(config: CacheConfig, policy: Policy) -> CacheConfig:
+    """``config`` with the L2 key width ``policy`` needs (its ``l2_key_bits``; unchanged when ``None``).
+
+    The decode core builds every cache through this, so a K4V2 table always runs on a K4V2 cache
+    and its measured B counts the INT4 key bytes.
+    """
+    bits = policy.l2_key_bits
+    if bits is None or bits == config.l2_key_bits:
+        return config
+    return dataclasses.replace(config, l2_key_bits=int(bits))

@@ -80,6 +80,11 @@ class PaskPolicy(PolicyBase):
         return self.table.target_b
 
     @property
+    def l2_key_bits(self) -> int:  # type: ignore[override]
+        """The table's L2 key width (4: K4V2), which the cache must be built with."""
+        return self.table.l2_key_bits
+
+    @property
     def target_b(self) -> float:
         """The table's ``target_b``, else its ``expected_b``, else 1."""
         t = self.table

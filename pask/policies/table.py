@@ -8,6 +8,7 @@ File format (JSON, ``format_version`` 1)::
       "task": "bfcl",
       "num_groups": 4,
       "recent_window": 8,
+      "l2_key_bits": 2,
       "target_b": 0.33,
       "expected_b": 0.318,
       "tolerances": {"alpha_D": 0.05, "alpha_P": 0.02},
@@ -16,6 +17,8 @@ File format (JSON, ``format_version`` 1)::
       "calibration": {...}
     }
 
+``l2_key_bits`` (default 2) is the key width of the ``"L2"`` action: 2 for INT2 keys and values, 4
+for K4V2 (INT4 keys, INT2 values); the cache is built to match.
 ``actions`` maps ``str(Bucket)`` (see :class:`pask.structure.tags.Bucket`) to ``"H"`` (BF16), ``"L"``
 (INT4), ``"L2"`` (INT2) or ``"R"`` (release). A token whose bucket is not listed -- a tag or
 label never seen (or too rare to measure) on the calibration split, or a token without a tag --
@@ -65,11 +68,14 @@ class FrozenTable:
     model_name: str | None = None
     expected_b: float | None = None
     calibration: dict[str, Any] = field(default_factory=dict)
+    l2_key_bits: int = 2  # 4: "L2" is K4V2 (INT4 keys, INT2 values; CacheConfig.l2_key_bits)
     format_version: int = FORMAT_VERSION
     warnings: list[str] = field(default_factory=list)  # not saved: set by load(allow_transfer=True)
 
     def __post_init__(self) -> None:
         parse_action(self.default_action)
+        if self.l2_key_bits not in (2, 4):
+            raise PaskError(f"bad table: l2_key_bits must be 2 or 4, got {self.l2_key_bits!r}")
         if self.num_groups < 1 or self.recent_window < 0:
             raise PaskError(f"bad table: num_groups {self.num_groups}, recent_window {self.recent_window}")
         for key, act in self.actions.items():
@@ -92,6 +98,7 @@ class FrozenTable:
             "task": self.task,
             "num_groups": self.num_groups,
             "recent_window": self.recent_window,
+            "l2_key_bits": self.l2_key_bits,
             "target_b": self.target_b,
             "expected_b": self.expected_b,
             "tolerances": {"alpha_D": self.alpha_d, "alpha_P": self.alpha_p},
@@ -118,6 +125,7 @@ class FrozenTable:
                 task=data["task"],
                 num_groups=int(data["num_groups"]),
                 recent_window=int(data["recent_window"]),
+                l2_key_bits=int(data.get("l2_key_bits", 2)),
                 target_b=data.get("target_b"),
                 expected_b=data.get("expected_b"),
                 alpha_d=float(tol.get("alpha_D", 0.05)),

@@ -56,7 +56,7 @@ from pask.kv.attention import enable_pask_attention
 from pask.kv.budget import CostModel
 from pask.kv.cache import CacheConfig, TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
-from pask.policies.base import Policy
+from pask.policies.base import Policy, with_key_bits
 from pask.runtime.capacity import KVCapacity, kv_bytes_per_token, policy_target_b
 from pask.runtime.masked_head import MaskedHead, masked_head_enabled
 from pask.runtime.models import LoadedModel
@@ -182,7 +182,7 @@ class Scheduler:
                 f"{type(probe).__name__} does not implement the Policy protocol (pask.policies.base.Policy; "
                 "inherit pask.policies.base.PolicyBase for its defaults)"
             )
-        self.config = cache_config or CacheConfig(headroom=SERVE_HEADROOM)
+        self.config = with_key_bits(cache_config or CacheConfig(headroom=SERVE_HEADROOM), probe)
         self.policy_name = probe.name
         self.needs_tags = probe.needs_tags
         self.stats_request = StatsRequest.of(probe)
@@ -200,7 +200,7 @@ class Scheduler:
         self._prev_attn = enable_pask_attention(self.model)
         self.cache = TieredCache(self.model.config, self.config, batch_size=0)
         spec = self.cache.spec
-        self.costs = CostModel(spec.head_dim, self.config.quant_group, dtype)
+        self.costs = CostModel(spec.head_dim, self.config.quant_group, dtype, self.config.l2_key_bits)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # running[i] holds row i of the cache
         self.reserved = 0
