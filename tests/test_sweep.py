@@ -212,7 +212,24 @@ def test_pask_3a_cells_take_their_own_three_action_table(tmp_path, fake):
     with pytest.raises(PaskError, match=r'"pask-3a@0\.2" = "FILE"'):
         parse_config(data, tmp_path)
     data["fake"]["tables"]["smollm2-135m"]["h2o@0.2"] = "t3.json"
-    with pytest.raises(PaskError, match="only pask-3a take"):
+    with pytest.raises(PaskError, match="only pask-3a, pask-k4v2 take"):
+        parse_config(data, tmp_path)
+
+
+def test_pask_k4v2_cells_take_a_k4v2_table(tmp_path, fake):
+    """pask-k4v2 reads "pask-k4v2@<budget>" and refuses a table whose L2 action has INT2 keys."""
+    from pask.policies.table import FrozenTable
+
+    int2 = FrozenTable(actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2)
+    k4v2 = FrozenTable(actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2, l2_key_bits=4)
+    int2.save(tmp_path / "t2.json")
+    k4v2.save(tmp_path / "tk.json")
+    data = fake_config(tmp_path, policies=["pask", "pask-k4v2"], budgets=[0.2])
+    data["fake"] = {"n": 4, "tables": {"smollm2-135m": {"0.2": "t2.json", "pask-k4v2@0.2": "tk.json"}}}
+    cells = {c.policy: c for c in parse_config(data, tmp_path).cells}
+    assert Path(cells["pask-k4v2"].table).name == "tk.json"
+    data["fake"]["tables"]["smollm2-135m"]["pask-k4v2@0.2"] = "t2.json"
+    with pytest.raises(PaskError, match="pask-k4v2 needs a K4V2 table"):
         parse_config(data, tmp_path)
 
 

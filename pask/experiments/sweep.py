@@ -40,7 +40,9 @@ deletes and reruns it. ``results_dir/sweep-<config stem>.json`` records the last
 per cell. Policies ``pask-prefill`` / ``pask-decode`` are PASK with the table applied to the
 prompt only / to generated tokens only (the paper's Table 17 ablation). ``pask-3a`` is PASK with a
 three-action table (BF16 / INT4 / release: calibrated with ``--actions L,R``), given under the key
-``"pask-3a@<budget>"``, beside the four-action ``pask`` tables on the same frontier.
+``"pask-3a@<budget>"``, beside the four-action ``pask`` tables on the same frontier; ``pask-k4v2``
+likewise with a K4V2 table (``--l2-key-bits 4``: its L2 action keeps INT4 keys), key
+``"pask-k4v2@<budget>"``.
 
 Tasks are those of the registry :data:`pask.tasks.TASKS` (``bfcl``, ``sql``, and any task registered
 there): each takes the options of :data:`COMMON_OPTIONS` (``max_new_tokens`` defaulting to the
@@ -89,9 +91,15 @@ def record_path(config: SweepConfig) -> Path:
 
 
 SHARDS_DIR = "shards"
-ABLATIONS = {"pask": (True, True), "pask-prefill": (True, False), "pask-decode": (False, True), "pask-3a": (True, True)}
+ABLATIONS = {
+    "pask": (True, True),
+    "pask-prefill": (True, False),
+    "pask-decode": (False, True),
+    "pask-3a": (True, True),
+    "pask-k4v2": (True, True),
+}
 #: PASK variants whose table is their own (key ``"<policy>@<budget>"``), not the ``pask`` table.
-OWN_TABLES = ("pask-3a",)
+OWN_TABLES = ("pask-3a", "pask-k4v2")
 DTYPES = ("bf16", "fp32")
 _PRODUCT_KEYS = ("models", "tasks", "splits", "policies", "budgets")
 _TOP_KEYS = {"results_dir", "dtype", "threads", "grid", *_PRODUCT_KEYS}
@@ -558,6 +566,10 @@ def _check_cell_policy(cell: Cell) -> None:
         policy = make_pask_policy(cell.table, cell.budget, fingerprint=None)
         if cell.policy == "pask-3a" and "L2" in policy.table.actions.values():
             raise PaskError(f"cell {cell.name}: pask-3a needs a three-action table; {cell.table} uses INT2 (L2)")
+        if cell.policy == "pask-k4v2" and policy.table.l2_key_bits != 4:
+            raise PaskError(
+                f"cell {cell.name}: pask-k4v2 needs a K4V2 table (calibrated with --l2-key-bits 4); {cell.table} is not"
+            )
     else:
         make_cell_policy(cell, None)
 
