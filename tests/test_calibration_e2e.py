@@ -234,7 +234,8 @@ def test_capture_per_row_follows_rows_leaving_the_batch():
 @pytest.mark.slow
 def test_a_finished_work_dir_resolves_without_its_captures(smol, tmp_path):
     """Captures are large and not committed: re-solving a finished work dir at another budget must
-    not run the control again; a replay still to run makes the captures it needs again."""
+    not run the control again; a replay still to run makes the captures it needs again, by
+    teacher-forcing the recorded tokens: the rows stay as they were and the capture matches."""
     torch.set_num_threads(1)
     out = tmp_path / "t.json"
     kw = dict(out=out, categories=["simple"], limit=2, batch_size=2, max_new_tokens=24)
@@ -242,6 +243,7 @@ def test_a_finished_work_dir_resolves_without_its_captures(smol, tmp_path):
     calibrate(smol, buckets=[f"{item}|g0"], pool_groups=True, **kw)
     ctrl = work_dir_for(out) / "control"
     rows = (ctrl / "cases.jsonl").read_text()
+    before = {p.name: torch.load(p) for p in ctrl.glob("capture-*.pt")}
     for p in ctrl.glob("capture-*.pt"):
         p.unlink()
     table = calibrate(smol, buckets=[f"{item}|g0"], pool_groups=True, budget=0.5, **kw)
@@ -249,4 +251,10 @@ def test_a_finished_work_dir_resolves_without_its_captures(smol, tmp_path):
     assert not list(ctrl.glob("capture-*.pt"))
     (work_dir_for(out) / "distortion.jsonl").unlink()
     calibrate(smol, buckets=[f"{item}|g0"], pool_groups=True, budget=0.5, **kw)
-    assert len(list(ctrl.glob("capture-*.pt"))) == 1
+    remade = list(ctrl.glob("capture-*.pt"))
+    assert len(remade) == 1 and (ctrl / "cases.jsonl").read_text() == rows  # no row generated again
+    got, want = torch.load(remade[0]), before[remade[0].name]
+    assert got.keys() == want.keys()
+    for i in want:
+        assert got[i].shape == want[i].shape
+        torch.testing.assert_close(got[i], want[i], rtol=1e-4, atol=1e-4)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pask.calibration.buckets import ControlRow
-from pask.calibration.distortion import AttnCapture
+from pask.calibration.distortion import AttnCapture, forced_capture
 from pask.calibration.tasks import CalibrationTask, default_max_new_tokens, get_task
 from pask.evaluation.case_rows import read_done
 from pask.policies.pask import PaskPolicy
@@ -66,6 +66,24 @@ def _capture_name(k: int) -> str:
     return f"capture-{k:04d}.pt"
 
 
+def _remake_capture(lm, rows: list[dict], chunk: list, policy, path: Path) -> None:
+    """The capture of a finished batch, made again by teacher-forcing its recorded tokens (all H).
+
+    Generating the batch again could pick other tokens (another machine or thread count changes
+    bf16 sums), whose capture would not match the recorded rows; the rows stay as they are.
+    """
+    crows = [ControlRow.from_json(r) for r in rows]
+    caps = forced_capture(
+        lm.model,
+        [req.prompt_ids for _, req, _ in chunk],
+        [r.token_ids[: r.n_fed] for r in crows],
+        policy,
+        [[] for _ in crows],
+        [None for _ in crows],
+    )
+    torch.save({r.id: t for r, t in zip(crows, caps, strict=True)}, path)
+
+
 def run_control(
     lm,
     cases: list,
@@ -81,8 +99,9 @@ def run_control(
     """Run (or resume) the control; see the module docstring for the files. ``task``: BFCL by default.
 
     ``captures``: the batches whose attention capture must exist (None: all). A batch whose rows
-    are done but whose needed capture is missing (captures are large and not committed) is run
-    again; ``()`` only needs the rows, so a finished work dir re-solves without them."""
+    are done but whose needed capture is missing (captures are large and not committed) gets it
+    again by teacher-forcing its recorded tokens (its rows are kept, never regenerated); ``()``
+    only needs the rows, so a finished work dir re-solves without them."""
     task = task or get_task("bfcl")
     max_new_tokens = max_new_tokens or default_max_new_tokens(task.name)
     out = work_dir / "control"
@@ -120,6 +139,11 @@ def run_control(
         for k in todo:
             t0 = time.perf_counter()
             chunk = [prepared[i] for i in batches[k]]
+            if all(i in done for i in batches[k]):  # rows done, capture missing: replay the recorded tokens
+                _remake_capture(lm, [done[i] for i in batches[k]], chunk, policy, out / _capture_name(k))
+                if progress:
+                    progress("control", 1, total)
+                continue
             with AttnCapture(lm.model) as cap:
                 gens = generate(lm, [r for _, r, _ in chunk], policy=policy)
             rows = []
