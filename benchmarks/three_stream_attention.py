@@ -16,6 +16,8 @@ runs), calls interleaved round-robin, medians:
   ``(B - h) / 2 / 0.1875``).
 - ``three_stream_same_tokens``: the two-stream layout's retained tokens, half of its INT4 tokens
   in INT2 instead: the same tokens kept, fewer bytes (B below the target).
+- ``three_stream_k4v2`` / ``k4v2_same_tokens``: the two three-stream layouts with the INT2 tier
+  holding K4V2 (INT4 keys, INT2 values, 0.25 of BF16; ``CacheConfig.l2_key_bits = 4``).
 - ``full``: every token BF16 (B = 1), for the bandwidth picture.
 
 Bytes read per call = the live bytes of the layer's tiers (codes, scales and zeros, BF16 K/V), read
@@ -45,8 +47,9 @@ HKV, GROUP, D = 2, 7, 64  # Qwen2.5-Coder-0.5B: 14 query heads over 2 KV heads, 
 
 
 def layouts(budget: float, h: float) -> dict[str, tuple[float, float, float, float]]:
-    """(H, INT4, INT2, release) shares outside the recent window of each layout."""
-    c = CostModel()
+    """(H, INT4, INT2, release) shares outside the recent window of each layout (``*k4v2*``: the INT2
+    share is K4V2)."""
+    c, k = CostModel(), CostModel(l2_key_bits=4)
     if not 0 <= h < budget < c.l_ratio + h * (1 - c.l_ratio):
         raise PaskError(
             f"need 0 <= h-share < budget and budget below INT4's cost with that BF16 share; got {budget}, {h}"
@@ -58,12 +61,19 @@ def layouts(budget: float, h: float) -> dict[str, tuple[float, float, float, flo
         "two_stream": (h, l_two, 0.0, 1 - h - l_two),
         "three_stream": (h, l_three, l2_three, 1 - h - l_three - l2_three),
         "three_stream_same_tokens": (h, l_two / 2, l_two / 2, 1 - h - l_two),
+        "three_stream_k4v2": (
+            h,
+            l_three,
+            (budget - h) / 2 / k.l2_ratio,
+            1 - h - l_three - (budget - h) / 2 / k.l2_ratio,
+        ),
+        "k4v2_same_tokens": (h, l_two / 2, l_two / 2, 1 - h - l_two),
     }
 
 
-def build(batch: int, n: int, shares: tuple[float, float, float, float], kv) -> TieredCache:
+def build(batch: int, n: int, shares: tuple[float, float, float, float], kv, l2_key_bits: int = 2) -> TieredCache:
     """One-layer cache, ``batch`` rows of ``n`` tokens, tiers from ``shares`` (same K/V for every layout)."""
-    cfg = CacheConfig(num_groups=1)
+    cfg = CacheConfig(num_groups=1, l2_key_bits=l2_key_bits)
     cache = TieredCache(attention_config(HKV, GROUP, D), cfg, batch)
     cache.begin_prefill([0] * batch)
     cache.update(kv[0], kv[1], 0)
@@ -102,7 +112,7 @@ def main() -> None:
     scale = D**-0.5
     rows, fns = {}, {}
     for name, shares in layouts(args.budget, args.h_share).items():
-        cache = build(args.batch, args.context, shares, kv)
+        cache = build(args.batch, args.context, shares, kv, 4 if "k4v2" in name else 2)
         layer = cache.layers[0]
         if not na.applies(q, layer):
             raise SystemExit(f"{name}: the native kernel does not serve this layout")
@@ -130,6 +140,11 @@ def main() -> None:
         "same_tokens_vs_two_time": same["ms"] / two["ms"],
         "same_tokens_vs_two_bytes": same["bytes_read"] / two["bytes_read"],
         "two_vs_full_time": two["ms"] / rows["full"]["ms"],
+        "k4v2_vs_two_time": rows["three_stream_k4v2"]["ms"] / two["ms"],
+        "k4v2_vs_two_bytes": rows["three_stream_k4v2"]["bytes_read"] / two["bytes_read"],
+        "k4v2_vs_two_kept_tokens": rows["three_stream_k4v2"]["kept_tokens"] / two["kept_tokens"],
+        "k4v2_same_tokens_vs_two_time": rows["k4v2_same_tokens"]["ms"] / two["ms"],
+        "k4v2_same_tokens_vs_two_bytes": rows["k4v2_same_tokens"]["bytes_read"] / two["bytes_read"],
     }
     command = "python benchmarks/three_stream_attention.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     data = {"args": {k: v for k, v in vars(args).items() if k != "allow_dirty"}, "isa": na.isa(), "layouts": rows}
@@ -160,6 +175,10 @@ def main() -> None:
         f"- Same kept tokens: half the INT4 tokens in INT2 read {ratios['same_tokens_vs_two_bytes']:.3f}x the bytes "
         f"in {ratios['same_tokens_vs_two_time']:.3f}x the time.",
         f"- Two streams at B {two['b_measured']:.3f} take {ratios['two_vs_full_time']:.3f}x the time of all-BF16.",
+        f"- K4V2 as the third stream, same B: {ratios['k4v2_vs_two_kept_tokens']:.3f}x the tokens for "
+        f"{ratios['k4v2_vs_two_bytes']:.3f}x the bytes in {ratios['k4v2_vs_two_time']:.3f}x the time; same kept "
+        f"tokens: {ratios['k4v2_same_tokens_vs_two_bytes']:.3f}x the bytes in "
+        f"{ratios['k4v2_same_tokens_vs_two_time']:.3f}x the time.",
     ]
     json_path, _ = write_result(stem, data, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
     print("\n".join(lines))
