@@ -12,8 +12,7 @@
 //            kbal   [Hkv, 2, D] f32 (mid, bal): k = k' * bal + mid
 //   L2 tier (INT2): kq [Hkv, lcap, D/4] u8, token-major, byte j holds codes
 //            4j..4j+3 at bit offsets 0, 2, 4, 6; k' = (c - 2) * scale + zero; ksz as above;
-//            K4V2 (kbits2 = 4): kq [Hkv, lcap, D/2] u8, byte j holds codes 2j (low), 2j + 1 (high),
-//            k' = (c - 8) * scale + zero;
+//            K4V2 (kbits2 = 4): kq as the L tier's (blocked, d-major INT4), k' = (c - 8) * scale + zero;
 //            vq [Hkv, D/32, lcap, 8] u8 (a group's 32 codes, four per byte); vs, vz as above
 //
 // Scores of INT4 keys never dequantise a key: with qs = q * bal * scaling,
@@ -797,48 +796,53 @@ inline void add_group_scores(State& st, const float (*a)[BT], const float* scl, 
   }
 }
 
-void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+// st.sc = the scores of the 64 slots of the block at t0 against blocked INT4 key codes (the L
+// tier's layout, also K4V2's keys): one pass over the codes for all query rows.
+void blocked_key_scores(State& st, const LHead& L, int64_t cap, int64_t t0) {
   const int D = st.D, grp = st.grp, G = st.G;
-  const int64_t cap = s.lcap;
-  const LHead L(st, qf, scaling, s, h, 4, 4);
-  const uint8_t *KQ = L.KQ, *VQ = L.VQ;
-  const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
-  const auto& qs = L.qs;
-  const auto& qsum = L.qsum;
-  const auto& cst = L.cst;
+  const int64_t blk = t0 / BT;
   alignas(64) float a[MAXR][BT];
   alignas(64) float codes[BT];
-  alignas(64) float scl[BT], off[BT], vsf[BT], vzf[BT];
+  alignas(64) float scl[BT], off[BT];
+  for (int r = 0; r < grp; ++r)
+    for (int t = 0; t < BT; ++t) st.sc[r][t] = L.cst[r];
+  for (int g = 0; g < G; ++g) {
+    const uint16_t* sz = L.KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
+    for (int t = 0; t < BT; ++t) {  // whole block: slots past nt hold finite stale / zero data
+      scl[t] = bf2f(sz[2 * t]);
+      off[t] = bf2f(sz[2 * t + 1]) - 8.0f * scl[t];
+    }
+#if defined(__AVX512F__) || defined(PASK_AVX2)
+    if (D == 64 || D == 128) {
+      if (D == 64) l_scores_group<64>(st, L.qs, L.qsum[g], L.KQ, blk, g, scl, off);
+      else l_scores_group<128>(st, L.qs, L.qsum[g], L.KQ, blk, g, scl, off);
+      continue;
+    }
+#endif
+    for (int r = 0; r < grp; ++r) std::fill(a[r], a[r] + BT, 0.0f);
+    for (int d = g * QG; d < (g + 1) * QG; ++d) {
+      const uint8_t* row = L.KQ + (blk * D + d) * (BT / 2);
+      for (int j = 0; j < BT / 2; ++j) {
+        codes[j] = static_cast<float>(row[j] & 15);
+        codes[j + BT / 2] = static_cast<float>(row[j] >> 4);
+      }
+      accumulate_codes(grp, L.qs, d, codes, a);
+    }
+    add_group_scores(st, a, scl, off, L.qsum[g]);
+  }
+}
+
+void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
+  const int grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap;
+  const LHead L(st, qf, scaling, s, h, 4, 4);
+  const uint8_t* VQ = L.VQ;
+  const uint16_t *VS = L.VS, *VZ = L.VZ;
+  alignas(64) float vsf[BT], vzf[BT];
   alignas(64) float lo[QG / 2], hi[QG / 2];
   for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
     const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
-    const int64_t blk = t0 / BT;
-    for (int r = 0; r < grp; ++r)
-      for (int t = 0; t < BT; ++t) st.sc[r][t] = cst[r];
-    for (int g = 0; g < G; ++g) {
-      const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
-      for (int t = 0; t < BT; ++t) {  // whole block: slots past nt hold finite stale / zero data
-        scl[t] = bf2f(sz[2 * t]);
-        off[t] = bf2f(sz[2 * t + 1]) - 8.0f * scl[t];
-      }
-#if defined(__AVX512F__) || defined(PASK_AVX2)
-      if (D == 64 || D == 128) {
-        if (D == 64) l_scores_group<64>(st, qs, qsum[g], KQ, blk, g, scl, off);
-        else l_scores_group<128>(st, qs, qsum[g], KQ, blk, g, scl, off);
-        continue;
-      }
-#endif
-      for (int r = 0; r < grp; ++r) std::fill(a[r], a[r] + BT, 0.0f);
-      for (int d = g * QG; d < (g + 1) * QG; ++d) {
-        const uint8_t* row = KQ + (blk * D + d) * (BT / 2);
-        for (int j = 0; j < BT / 2; ++j) {
-          codes[j] = static_cast<float>(row[j] & 15);
-          codes[j + BT / 2] = static_cast<float>(row[j] >> 4);
-        }
-        accumulate_codes(grp, qs, d, codes, a);
-      }
-      add_group_scores(st, a, scl, off, qsum[g]);
-    }
+    blocked_key_scores(st, L, cap, t0);
     st.absorb(nt);
     for (int g = 0; g < G; ++g) {
       const int64_t base = static_cast<int64_t>(g) * cap + t0;
@@ -1171,53 +1175,56 @@ struct Quads {
 };
 const Quads kQuads;
 
-// The INT2 tier: token-major codes. Keys (kbits 2, or 4 for K4V2: two codes a byte, zero point 8):
-// a block's code bytes are transposed (byte j of every token in one row), so each channel's codes
-// unpack and score BT tokens at a time without horizontal sums; values (always INT2): each byte
-// unpacks through kQuads into the interleaved accumulator.
-void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int kbits) {
+// The INT2 tier's key scores of the block at t0: token-major codes, four a byte; the block's code
+// bytes are transposed (byte j of every token in one row), so each channel's codes unpack and
+// score BT tokens at a time without horizontal sums.
+void quad_key_scores(State& st, const LHead& L, int64_t cap, int64_t t0, int nt) {
   const int D = st.D, grp = st.grp, G = st.G;
-  const int64_t cap = s.lcap;
-  const int per_byte = 8 / kbits, row_bytes = D / per_byte, kmask = (1 << kbits) - 1;
-  const float kzp = static_cast<float>(1 << (kbits - 1));
-  const LHead L(st, qf, scaling, s, h, kbits, 2);
-  const uint8_t *KQ = L.KQ, *VQ = L.VQ;
-  const uint16_t *KSZ = L.KSZ, *VS = L.VS, *VZ = L.VZ;
-  const auto& qs = L.qs;
-  const auto& qsum = L.qsum;
-  const auto& cst = L.cst;
-  alignas(64) uint8_t bt[MAXD / 2][BT];
+  alignas(64) uint8_t bt[MAXD / 4][BT];
   alignas(64) float a[MAXR][BT];
   alignas(64) float codes[BT];
   alignas(64) float scl[BT], off[BT];
+  for (int t = 0; t < nt; ++t) {
+    const uint8_t* row = L.KQ + (t0 + t) * (D / 4);
+    for (int j = 0; j < D / 4; ++j) bt[j][t] = row[j];
+  }
+  for (int j = 0; j < D / 4; ++j) std::fill(bt[j] + nt, bt[j] + BT, uint8_t{0});
+  for (int r = 0; r < grp; ++r)
+    for (int t = 0; t < BT; ++t) st.sc[r][t] = L.cst[r];
+  for (int g = 0; g < G; ++g) {
+    const uint16_t* sz = L.KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
+    for (int t = 0; t < nt; ++t) {
+      scl[t] = bf2f(sz[2 * t]);
+      off[t] = bf2f(sz[2 * t + 1]) - 2.0f * scl[t];
+    }
+    std::fill(scl + nt, scl + BT, 0.0f);  // past nt: finite scores, weight 0 after absorb
+    std::fill(off + nt, off + BT, 0.0f);
+    for (int r = 0; r < grp; ++r) std::fill(a[r], a[r] + BT, 0.0f);
+    for (int d = g * QG; d < (g + 1) * QG; ++d) {
+      const uint8_t* row = bt[d >> 2];
+      const int sh = 2 * (d & 3);
+#pragma omp simd
+      for (int t = 0; t < BT; ++t) codes[t] = static_cast<float>((row[t] >> sh) & 3);
+      accumulate_codes(grp, L.qs, d, codes, a);
+    }
+    add_group_scores(st, a, scl, off, L.qsum[g]);
+  }
+}
+
+// The INT2 tier: keys token-major INT2 (quad_key_scores), or for K4V2 (kbits 4) INT4 in the L
+// tier's blocked layout (blocked_key_scores, the INT4 stream's path); values (always INT2): each
+// byte unpacks through kQuads into the interleaved accumulator.
+void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int kbits) {
+  const int grp = st.grp, G = st.G;
+  const int64_t cap = s.lcap;
+  const LHead L(st, qf, scaling, s, h, kbits, 2);
+  const uint8_t* VQ = L.VQ;
+  const uint16_t *VS = L.VS, *VZ = L.VZ;
   alignas(64) float vc[QG];
   for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
     const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
-    for (int t = 0; t < nt; ++t) {
-      const uint8_t* row = KQ + (t0 + t) * row_bytes;
-      for (int j = 0; j < row_bytes; ++j) bt[j][t] = row[j];
-    }
-    for (int j = 0; j < row_bytes; ++j) std::fill(bt[j] + nt, bt[j] + BT, uint8_t{0});
-    for (int r = 0; r < grp; ++r)
-      for (int t = 0; t < BT; ++t) st.sc[r][t] = cst[r];
-    for (int g = 0; g < G; ++g) {
-      const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
-      for (int t = 0; t < nt; ++t) {
-        scl[t] = bf2f(sz[2 * t]);
-        off[t] = bf2f(sz[2 * t + 1]) - kzp * scl[t];
-      }
-      std::fill(scl + nt, scl + BT, 0.0f);  // past nt: finite scores, weight 0 after absorb
-      std::fill(off + nt, off + BT, 0.0f);
-      for (int r = 0; r < grp; ++r) std::fill(a[r], a[r] + BT, 0.0f);
-      for (int d = g * QG; d < (g + 1) * QG; ++d) {
-        const uint8_t* row = bt[d / per_byte];
-        const int sh = kbits * (d % per_byte);
-#pragma omp simd
-        for (int t = 0; t < BT; ++t) codes[t] = static_cast<float>((row[t] >> sh) & kmask);
-        accumulate_codes(grp, qs, d, codes, a);
-      }
-      add_group_scores(st, a, scl, off, qsum[g]);
-    }
+    if (kbits == 4) blocked_key_scores(st, L, cap, t0);
+    else quad_key_scores(st, L, cap, t0, nt);
     st.absorb(nt);
     for (int g = 0; g < G; ++g) {
       const int64_t base = static_cast<int64_t>(g) * cap + t0;
@@ -1437,21 +1444,19 @@ void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, cons
     quantize_group(kx + g * QG, kzp, kmax, kc, &ks, &kz);
     quantize_group(vx + g * QG, 0, qmax, vc, &vsc, &vzr);
     const int64_t gs = (static_cast<int64_t>(h) * G + g) * lc + lslot;
-    if (bits == 4) {
+    if (kbits == 4) {  // blocked, d-major (the INT4 tier's keys and K4V2's)
       for (int j = 0; j < QG; ++j) {
         uint8_t* byte = KQ + ((static_cast<int64_t>(h) * (lc / BT) + blk) * D + g * QG + j) * (BT / 2) + col;
         *byte = high ? static_cast<uint8_t>((*byte & 0x0F) | (kc[j] << 4)) : static_cast<uint8_t>((*byte & 0xF0) | kc[j]);
       }
-      for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
-    } else {
-      const int kpb = 8 / kbits;  // key codes a byte (token-major)
-      uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / kpb) + g * (QG / kpb);
-      if (kbits == 4)
-        for (int j = 0; j < QG / 2; ++j) krow[j] = static_cast<uint8_t>(kc[2 * j] | (kc[2 * j + 1] << 4));
-      else
-        for (int j = 0; j < QG / 4; ++j) krow[j] = pack_quad(kc + 4 * j);
-      for (int j = 0; j < QG / 4; ++j) VQ[gs * (QG / 4) + j] = pack_quad(vc + 4 * j);
+    } else {  // INT2: token-major, four codes a byte
+      uint8_t* krow = KQ + (static_cast<int64_t>(h) * lc + lslot) * (D / 4) + g * (QG / 4);
+      for (int j = 0; j < QG / 4; ++j) krow[j] = pack_quad(kc + 4 * j);
     }
+    if (bits == 4)
+      for (int j = 0; j < QG / 2; ++j) VQ[gs * (QG / 2) + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
+    else
+      for (int j = 0; j < QG / 4; ++j) VQ[gs * (QG / 4) + j] = pack_quad(vc + 4 * j);
     KSZ[2 * gs] = ks;
     KSZ[2 * gs + 1] = kz;
     VS[gs] = vsc;

@@ -401,8 +401,8 @@ class _SeqStore:
     [Hkv, D/g, cap]`` value scale and zero. L2 tier (INT2): ``kq [Hkv, cap, D/4]`` (four codes per
     byte, :func:`~pask.kv.quant.pack_quads`, ``k' = (code - 2) * scale + zero``) and
     ``vq [Hkv, D/g, cap, g/4]``; scales and zeros as at 4 bits. With ``CacheConfig.l2_key_bits = 4``
-    (K4V2) the L2 tier keeps its keys at INT4 instead, token-major ``kq [Hkv, cap, D/2]`` (two codes a
-    byte, :func:`~pask.kv.quant.pack_pairs`, ``k' = (code - 8) * scale + zero``), values still INT2.
+    (K4V2) the L2 tier keeps its keys at INT4 instead, in the L tier's blocked layout (``k' = (code -
+    8) * scale + zero``, scored by the INT4 stream's path), values still INT2.
     A tier allocates nothing until its first token. Scales and zeros are bf16 (same 2 bytes as fp16;
     the int4 GEMM reads bf16), rounded so the round-trip error stays within ``scale / 2``. Keys are balanced per channel
     before quantisation (:func:`key_balance`): the codes hold ``k' = (k - mid) / bal`` and
@@ -420,14 +420,14 @@ class _SeqStore:
 
         def low(bits: int, kbits: int) -> _Tier:
             per_byte = 8 // bits
-            parts = {
-                "kq": _BlockedCodes(head_dim) if bits == 4 else _Plain((), (head_dim * kbits // 8,), torch.uint8),
+            parts = {  # INT4 keys (the L tier's, K4V2's) blocked; INT2 keys token-major
+                "kq": _BlockedCodes(head_dim) if kbits == 4 else _Plain((), (head_dim // 4,), torch.uint8),
                 "ksz": _Plain((g,), (2,), SCALE_DTYPE),
                 "vq": _Plain((g,), (cfg.quant_group // per_byte,), torch.uint8),
                 "vs": _Plain((g,), (), SCALE_DTYPE),
                 "vz": _Plain((g,), (), SCALE_DTYPE),
             }
-            return _Tier(parts, heads, device, cfg, stats, align=BLOCK if bits == 4 else 1)
+            return _Tier(parts, heads, device, cfg, stats, align=BLOCK if kbits == 4 else 1)
 
         self.l2_kbits = check_bits(getattr(cfg, "l2_key_bits", 2))  # K4V2 when 4
         self.l = low(4, 4)
@@ -446,7 +446,7 @@ class _SeqStore:
 
     def key_bits(self, bits: int) -> int:
         """Key code width of the ``bits`` tier: 4 for L; 2 for L2, or 4 where the cache stores K4V2
-        (``CacheConfig.l2_key_bits``: INT4 keys token-major, two codes a byte, INT2 values)."""
+        (``CacheConfig.l2_key_bits``: INT4 keys in the L tier's blocked layout, INT2 values)."""
         return 4 if check_bits(bits) == 4 else self.l2_kbits
 
     def tiers(self) -> tuple[_Tier, _Tier, _Tier]:
@@ -478,8 +478,7 @@ class _SeqStore:
         heads, n, d = vc.shape
         pack = pack_pairs if b == 4 else pack_quads
         vq = pack(vc.view(heads, n, d // self.group, self.group)).transpose(1, 2)
-        # the INT4 tier's key part takes unpacked codes (blocked layout); L2 keys are token-major
-        kq = kc if b == 4 else (pack_pairs if kb == 4 else pack_quads)(kc)
+        kq = kc if kb == 4 else pack_quads(kc)  # INT4 key parts take unpacked codes (blocked layout)
         self.low(b).append(kq=kq, ksz=ksz, vq=vq, vs=vs.transpose(1, 2), vz=vz.transpose(1, 2))
 
     def low_kv(
@@ -498,10 +497,8 @@ class _SeqStore:
             slots = torch.arange(start, stop, device=lt.device)
         t = lt.t
         kb = self.key_bits(bits)
-        if bits == 4:
-            codes = lt.parts["kq"].read(t["kq"], slots)
-        else:
-            codes = (unpack_pairs if kb == 4 else unpack_quads)(t["kq"].index_select(1, slots))
+        kq = t["kq"]
+        codes = lt.parts["kq"].read(kq, slots) if kb == 4 else unpack_quads(kq.index_select(1, slots))
         sz = t["ksz"].index_select(2, slots).float().transpose(1, 2)  # [Hkv, m, G, 2]
         k = dequantize_codes(codes, sz[..., 0], sz[..., 1], torch.float32, zero_point=key_zero_point(kb))
         k = (k * self.kbal[:, 1:2] + self.kbal[:, 0:1]).to(dtype)
