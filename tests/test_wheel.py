@@ -64,8 +64,8 @@ def test_every_default_table_matches_its_name():
             table = load(path)
         got = default_table(table.model_name, table.task, table.target_b)
         # an experiment's table: calibrated on all four BFCL categories (-bfcl4-), or a four- / three-action
-        # frontier calibration (-4a- / -3a-), never a default
-        if any(mark in path.name for mark in ("-bfcl4-", "-4a-", "-3a-")):
+        # or K4V2 frontier calibration (-4a- / -3a- / -k4v2-), never a default
+        if any(mark in path.name for mark in ("-bfcl4-", "-4a-", "-3a-", "-k4v2-")):
             assert got != path
             continue
         assert got == path, path.name
