@@ -1211,6 +1211,57 @@ void quad_key_scores(State& st, const LHead& L, int64_t cap, int64_t t0, int nt)
   }
 }
 
+#if defined(__AVX512F__)
+// acc[r][g * QG + j] += sum_t p[r][t] vs_t c_j(t) and zs[r][g] += sum_t p[r][t] vz_t for the INT2 values of
+// group g of the block (8 bytes a token; code 4k + i at bits 2i of byte k). A token's 8 bytes widen
+// to both 256-bit halves of one register; per-lane shifts (0 / 2, then 4 / 6) give two vectors of
+// 16 codes, accumulated per row in registers and put back in code order at the end of the block.
+void l2_values_group(State& st, const uint8_t* vq, const uint16_t* VS, const uint16_t* VZ, int64_t base, int nt,
+                     int g) {
+  alignas(64) float w[MAXR][BT];
+  for (int t = 0; t < nt; ++t) {
+    const float vsf = bf2f(VS[base + t]), vzf = bf2f(VZ[base + t]);
+    for (int r = 0; r < st.grp; ++r) {
+      const float p = st.sc[r][t];
+      w[r][t] = p * vsf;
+      st.zs[r][g] += p * vzf;
+    }
+  }
+  const __m512i sh01 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i sh23 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+  const __m512i m3 = _mm512_set1_epi32(3);
+  constexpr int RC = 8;
+  for (int r0 = 0; r0 < st.grp; r0 += RC) {
+    const int rn = std::min(RC, st.grp - r0);
+    __m512 a01[RC], a23[RC];
+    for (int r = 0; r < rn; ++r) a01[r] = a23[r] = _mm512_setzero_ps();
+    for (int t = 0; t < nt; ++t) {
+      const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(vq + static_cast<int64_t>(t) * (QG / 4)));
+      const __m512i bb = _mm512_broadcast_i64x4(_mm256_cvtepu8_epi32(b8));
+      const __m512 c01 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(bb, sh01), m3));
+      const __m512 c23 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(bb, sh23), m3));
+      for (int r = 0; r < rn; ++r) {
+        const __m512 p = _mm512_set1_ps(w[r0 + r][t]);
+        a01[r] = _mm512_fmadd_ps(p, c01, a01[r]);
+        a23[r] = _mm512_fmadd_ps(p, c23, a23[r]);
+      }
+    }
+    for (int r = 0; r < rn; ++r) {
+      alignas(64) float x01[16], x23[16];
+      _mm512_store_ps(x01, a01[r]);
+      _mm512_store_ps(x23, a23[r]);
+      float* acc = st.acc[r0 + r] + g * QG;
+      for (int k = 0; k < QG / 4; ++k) {
+        acc[4 * k] += x01[k];
+        acc[4 * k + 1] += x01[8 + k];
+        acc[4 * k + 2] += x23[k];
+        acc[4 * k + 3] += x23[8 + k];
+      }
+    }
+  }
+}
+#endif
+
 // The INT2 tier: keys token-major INT2 (quad_key_scores), or for K4V2 (kbits 4) INT4 in the L
 // tier's blocked layout (blocked_key_scores, the INT4 stream's path); values (always INT2): each
 // byte unpacks through kQuads into the interleaved accumulator.
@@ -1228,6 +1279,10 @@ void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, 
     st.absorb(nt);
     for (int g = 0; g < G; ++g) {
       const int64_t base = static_cast<int64_t>(g) * cap + t0;
+#if defined(__AVX512F__)
+      l2_values_group(st, VQ + base * (QG / 4), VS, VZ, base, nt, g);
+      continue;
+#endif
       for (int t = 0; t < nt; ++t) {
         const uint8_t* b = VQ + (base + t) * (QG / 4);
         for (int j = 0; j < QG / 4; ++j) std::memcpy(vc + 4 * j, kQuads.f[b[j]], sizeof(kQuads.f[0]));
