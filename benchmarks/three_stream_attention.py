@@ -56,17 +56,13 @@ def layouts(budget: float, h: float) -> dict[str, tuple[float, float, float, flo
         )
     l_two = (budget - h) / c.l_ratio
     l_three, l2_three = (budget - h) / 2 / c.l_ratio, (budget - h) / 2 / c.l2_ratio
+    k4v2_three = (budget - h) / 2 / k.l2_ratio
     return {
         "full": (1.0, 0.0, 0.0, 0.0),
         "two_stream": (h, l_two, 0.0, 1 - h - l_two),
         "three_stream": (h, l_three, l2_three, 1 - h - l_three - l2_three),
         "three_stream_same_tokens": (h, l_two / 2, l_two / 2, 1 - h - l_two),
-        "three_stream_k4v2": (
-            h,
-            l_three,
-            (budget - h) / 2 / k.l2_ratio,
-            1 - h - l_three - (budget - h) / 2 / k.l2_ratio,
-        ),
+        "three_stream_k4v2": (h, l_three, k4v2_three, 1 - h - l_three - k4v2_three),
         "k4v2_same_tokens": (h, l_two / 2, l_two / 2, 1 - h - l_two),
     }
 

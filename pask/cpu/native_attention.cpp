@@ -1263,8 +1263,8 @@ void l2_values_group(State& st, const uint8_t* vq, const uint16_t* VS, const uin
 #endif
 
 // The INT2 tier: keys token-major INT2 (quad_key_scores), or for K4V2 (kbits 4) INT4 in the L
-// tier's blocked layout (blocked_key_scores, the INT4 stream's path); values (always INT2): each
-// byte unpacks through kQuads into the interleaved accumulator.
+// tier's blocked layout (blocked_key_scores, the INT4 stream's path); values (always INT2):
+// l2_values_group on AVX-512, else each byte unpacks through kQuads into the accumulator.
 void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int kbits) {
   const int grp = st.grp, G = st.G;
   const int64_t cap = s.lcap;
@@ -1332,7 +1332,8 @@ int pask_attention_use_amx(int want) {
 // Returns 0, or -1 for an unsupported shape (nothing written).
 // q, out: [nseq, hkv * grp, D] (q bf16, out f32); per-sequence arrays of pointers (null = no tier /
 // finished sequence) and slot counts: the H tier, the INT4 tier (kq .. ln), the INT2 tier
-// (kq2 .. ln2; kbits2: its key width, 2 or 4 for K4V2); kbal is shared by both low tiers. A sequence with no tier gets zeros.
+// (kq2 .. ln2; kbits2: its key width, 2 or 4 for K4V2); kbal is shared by both low tiers. A
+// sequence with no tier gets zeros.
 // probs (may be null; so may each entry): per sequence fp32 [hkv, hn + ln + ln2], the softmax
 // weights of its H slots, then its INT4 slots, then its INT2 slots, averaged over each kv head's
 // query rows (the step attention).
@@ -1479,7 +1480,8 @@ void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* 
 
 // One token of one kv head into L slot `lslot`: keys balanced (k - mid) / bal, both quantised per
 // group of QG (pask.kv.quant.quantize_codes, bit-exact), written in the L tier's layouts.
-// bits: the value width (4: the L tier, blocked keys; 2: the L2 tier, token-major keys of kbits).
+// bits: the value width (4: the L tier; 2: the L2 tier); kbits: the key width (4: blocked, d-major,
+// the L tier's and K4V2's; 2: token-major, four codes a byte).
 void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, const float* bal, int D, int bits,
                     int kbits, int h, uint8_t* KQ, uint16_t* KSZ, uint8_t* VQ, uint16_t* VS, uint16_t* VZ, int64_t lc,
                     int64_t lslot) {
@@ -1519,6 +1521,11 @@ void quantize_token(const uint16_t* k, const uint16_t* v, const float* mid, cons
   }
 }
 
+// Whether (value width, key width) names a low tier: (4, 4) the L tier, (2, 2) or (2, 4) the L2 tier.
+inline bool tier_widths_ok(int bits, int kbits) {
+  return bits == 4 ? kbits == 4 : bits == 2 && (kbits == 2 || kbits == 4);
+}
+
 extern "C" {
 
 // For each of `nlayers` layers (one layer group): quantise H slot `slot` of every kv head into L
@@ -1529,8 +1536,7 @@ int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const v
                      const int64_t* hcap, int64_t slot, int64_t last, const void* const* kq, const void* const* ksz,
                      const void* const* vq, const void* const* vs, const void* const* vz, const int64_t* lcap,
                      int64_t lslot, const void* const* kbal, int bits, int kbits) {
-  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || (bits != 4 && bits != 2)) return -1;
-  if (bits == 4 ? kbits != 4 : (kbits != 2 && kbits != 4)) return -1;
+  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || !tier_widths_ok(bits, kbits)) return -1;
   for (int li = 0; li < nlayers; ++li) {
     uint16_t* K = static_cast<uint16_t*>(const_cast<void*>(hk[li]));
     uint16_t* V = static_cast<uint16_t*>(const_cast<void*>(hv[li]));
@@ -1561,8 +1567,7 @@ int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const v
 // Parallel over (kv head, 64-slot block): the two slots sharing an INT4 key byte stay in one task.
 int pask_quantize_low(int hkv, int D, const void* k, const void* v, int64_t n, void* kq, void* ksz, void* vq, void* vs,
                       void* vz, int64_t lcap, int64_t lslot, const void* kbal, int bits, int kbits, int nthreads) {
-  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || n < 0 || (bits != 4 && bits != 2)) return -1;
-  if (bits == 4 ? kbits != 4 : (kbits != 2 && kbits != 4)) return -1;
+  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || n < 0 || !tier_widths_ok(bits, kbits)) return -1;
   if (lslot < 0 || lslot + n > lcap) return -1;
   const uint16_t* K = static_cast<const uint16_t*>(k);
   const uint16_t* V = static_cast<const uint16_t*>(v);

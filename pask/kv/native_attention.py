@@ -164,7 +164,7 @@ def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = Fal
     names = ("kh", "vh", *low, *(x + "2" for x in low), "kbal")
     arrays = {k: [None] * bsz for k in names}
     counts = {k: [0] * bsz for k in ("hcap", "hn", "lcap", "ln", "lcap2", "ln2")}
-    kbits2 = next((s.l2_kbits for s in seqs if s is not None), 2)  # one cache config: one L2 key width
+    kbits2 = layer.cache.config.l2_key_bits  # every store of the cache has the config's L2 key width
     for b in range(bsz):
         st = seqs[b] if b < len(seqs) else None
         if st is None:
