@@ -271,3 +271,36 @@ def test_paired_comparison_counts_discordant_cases(tmp_path):
     assert rows[1:] == [["KIVI-4 (B = 0.340)", "10", "3", "2", "3", "2", "1.000"]]
     assert sign_test_p(0, 0) == 1.0 and sign_test_p(0, 6) == pytest.approx(2 / 64)
     assert sign_test_p(10, 0) < 0.01 and sign_test_p(3, 4) == sign_test_p(4, 3)
+
+
+def test_paired_comparison_with_each_pask_variant(tmp_path):
+    root = tmp_path / "r"
+    make_cell(root, "bfcl", "pask", 0.2, 0.2, [1, 1, 1, 1], outcomes=[True] * 6 + [False] * 4)
+    make_cell(root, "bfcl", "pask-k4v2", 0.2, 0.2, [1, 1, 1, 1], outcomes=[True] * 8 + [False] * 2)
+    make_cell(root, "bfcl", "kivi-2", 0.2, 0.21, [1, 1, 1, 1], outcomes=[False] * 10)
+    md = markdown(collect(root))
+    k4 = [cells_of(r) for r in table(md, "Paired comparison with PASK (K4V2) at B = 0.2")]
+    assert k4[0][2] == "PASK (K4V2) only right"
+    # K4V2 right on c0-c7: PASK (right on c0-c5) never alone, KIVI-2 never right
+    assert k4[1:] == [
+        ["PASK (B = 0.200)", "10", "2", "0", "6", "2", "0.500"],
+        ["KIVI-2 (B = 0.210)", "10", "8", "0", "0", "2", "0.008"],
+    ]
+    plain = [cells_of(r) for r in table(md, "Paired comparison with PASK at B = 0.2")]
+    assert plain[1][0] == "PASK (K4V2) (B = 0.200)" and plain[1][2:4] == ["0", "2"]
+
+
+def test_sql_ex_without_empty_gold_cases(tmp_path):
+    root = tmp_path / "r"
+    for policy, budget, ex_ne in (("full", None, 61.11), ("pask", 0.2, 52.78)):
+        cell = make_cell(root, "sql", policy, budget, budget or 1.0, [6, 4, 2, 1])
+        summary = json.loads((cell / "summary.json").read_text())
+        summary["overall"].update(gold_empty=4, ex_nonempty_gold=ex_ne)
+        (cell / "summary.json").write_text(json.dumps(summary))
+    md = markdown(collect(root))
+    rows = [cells_of(r) for r in table(md, "without the 4 cases whose gold returns no rows")]
+    assert rows[1:] == [["PASK", "52.78 (0.200)"]]
+    assert "Full KV: 61.11 (B = 1.000, n = 36)." in md
+    bfcl = tmp_path / "b"
+    make_cell(bfcl, "bfcl", "pask", 0.2, 0.2, [1, 1, 1, 1])
+    assert "Table 2b" not in markdown(collect(bfcl))  # only where cells record it

@@ -98,6 +98,8 @@ class CellResult:
     b_prompt: float | None = None  # measured B of the prompt tokens / of the generated tokens
     b_decode: float | None = None
     outcomes: dict[str, bool] = field(default_factory=dict, repr=False)  # case id -> correct (cases.jsonl)
+    accuracy_nonempty: float | None = None  # SQL: EX on the cases whose gold query returns rows
+    gold_empty: int | None = None  # SQL: how many gold queries return no rows
 
     @property
     def method(self) -> str:
@@ -185,6 +187,8 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         b_prompt=summary.get("measured_b_prompt"),
         b_decode=summary.get("measured_b_decode"),
         outcomes=_outcomes(cell_dir / "cases.jsonl"),
+        accuracy_nonempty=summary["overall"].get("ex_nonempty_gold"),
+        gold_empty=summary["overall"].get("gold_empty"),
     )
 
 
@@ -281,21 +285,31 @@ def table_per_group(cells: list[CellResult], budget: float | None) -> list[str]:
     return lines
 
 
-def table_by_budget(cells: list[CellResult]) -> list[str]:
-    """Table 2: overall accuracy (SQL: EX) per method and target budget, measured B in parentheses."""
+def table_by_budget(cells: list[CellResult], nonempty: bool = False) -> list[str]:
+    """Table 2: overall accuracy (SQL: EX) per method and target budget, measured B in parentheses.
+
+    ``nonempty``: SQL EX on the cases whose gold query returns rows (an empty prediction scores
+    correct on the others), from each cell's ``ex_nonempty_gold``.
+    """
     c0 = cells[0]
     budgets = _budgets(cells)
-    title = f"Table 2 — {_task(c0.task)} {_metric(c0.task)} by budget ({c0.model}, {c0.split} split)"
+    score = (lambda c: c.accuracy_nonempty) if nonempty else (lambda c: c.accuracy)
+    what = f"{_metric(c0.task)} by budget"
+    if nonempty:
+        empty = next((c.gold_empty for c in cells if c.gold_empty is not None), None)
+        what += f", without the {empty} cases whose gold returns no rows"
+    title = f"Table 2{'b' if nonempty else ''} — {_task(c0.task)} {what} ({c0.model}, {c0.split} split)"
     lines = [f"### {title}", ""]
     if full := _full(cells):
-        lines += [f"Full KV: {_f(full.accuracy)} (B = {_f(full.measured_b, 3)}, n = {full.n}).", ""]
+        n = full.n - (full.gold_empty or 0) if nonempty else full.n
+        lines += [f"Full KV: {_f(score(full))} (B = {_f(full.measured_b, 3)}, n = {n}).", ""]
     lines += _head(["Method", *[f"B = {b:g}" for b in budgets]])
     for p in _methods(cells):
         row = [METHODS.get(p, p)]
         for b in budgets:
             c = _at(cells, p, b)
             mark = " *" if c is not None and c.status != "done" else ""
-            row.append("–" if c is None else f"{_f(c.accuracy)} ({_f(c.measured_b, 3)}){mark}")
+            row.append("–" if c is None else f"{_f(score(c))} ({_f(c.measured_b, 3)}){mark}")
         lines.append(_row(row))
     lines += ["", f"Cells: {_metric(c0.task).split(' ')[0]} (measured B)."]
     return lines
@@ -343,15 +357,19 @@ def sign_test_p(only_a: int, only_b: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
 
+PAIRED_REFS = ("pask", "pask-k4v2")  # the PASK variants every other cell is compared with, case by case
+
+
 def table_paired(cells: list[CellResult], budget: float, ref: str = "pask") -> list[str]:
-    """PASK against every other cell at one budget (and Full KV) on the cases both ran, case by case."""
+    """PASK (``ref``) against every other cell at one budget (and Full KV) on the cases both ran, case by case."""
     base = _at(cells, ref, budget)
     if base is None or not base.outcomes:
         return []
     c0 = cells[0]
-    title = f"### Paired comparison with PASK at B = {budget:g} ({c0.model}, {_task(c0.task)}, {c0.split} split)"
+    who = METHODS.get(ref, ref)
+    title = f"### Paired comparison with {who} at B = {budget:g} ({c0.model}, {_task(c0.task)}, {c0.split} split)"
     lines = [title, ""]
-    lines += _head(["Method", "n", "PASK only right", "method only right", "both right", "both wrong", "sign test p"])
+    lines += _head(["Method", "n", f"{who} only right", "method only right", "both right", "both wrong", "sign test p"])
     others = [_full(cells), *[_at(cells, m, budget) for m in _methods(cells) if m != ref]]
     others += [_at(cells, p, budget) for p in ("pask-prefill", "pask-decode")]
     for c in others:
@@ -388,13 +406,17 @@ def markdown(cells: list[CellResult], plots: dict[str, str] | None = None) -> st
         if not budgets:
             lines += [*table_per_group(group, None), ""]
         else:
-            lines += [*table_by_budget(group), "", *table_budgets(group), ""]
+            lines += [*table_by_budget(group), ""]
+            if any(c.accuracy_nonempty is not None for c in group):
+                lines += [*table_by_budget(group, nonempty=True), ""]
+            lines += [*table_budgets(group), ""]
         for b in budgets:
             if any(_at(group, p, b) for p in ("pask-prefill", "pask-decode")):
                 lines += [*table_ablation(group, b), ""]
         for b in budgets:
-            if paired := table_paired(group, b):
-                lines += [*paired, ""]
+            for ref in PAIRED_REFS:
+                if paired := table_paired(group, b, ref):
+                    lines += [*paired, ""]
         for name, rel in sorted((plots or {}).items()):
             if name.startswith(f"{model}/{task}/{split}/"):
                 lines += [f"![{name.rsplit('/', 1)[1][2:].replace('-', ' ')}]({rel})", ""]
