@@ -350,3 +350,22 @@ def test_sql_scope_option_builds_the_scoped_constraint_and_its_outputs_are_in_sc
         if r["stop_reason"] in ("eos", "grammar"):
             assert "no such column" not in (r["error"] or ""), r
             assert scope_errors(r["output"], load_schema(r["db_id"])) == [], r["output"]
+
+
+def test_decoding_keeps_a_keyword_apart_from_the_next_word(qwen_ll):
+    """``WHEREname``, ``ORDERBY`` and ``LIMIT10`` lex as two lexemes each (whitespace is ignored);
+    the constraint refuses them, and keeps what goes on into a longer word."""
+    c = _scoped(qwen_ll, "poker_player", "SELECT count(DISTINCT Nationality) FROM people WHERE")
+    assert _allowed(c, _ids(qwen_ll, "Nationality", " Nationality")) == [False, True]
+    c = _scoped(qwen_ll, "poker_player", "SELECT Name FROM people ORDER")
+    assert _allowed(c, _ids(qwen_ll, "BY", " BY")) == [False, True]
+    c = _scoped(qwen_ll, "poker_player", "SELECT Name FROM people LIMIT")
+    assert _allowed(c, _ids(qwen_ll, "1", " 1")) == [False, True]
+    c = _scoped(qwen_ll, "poker_player", "SELECT Name FROM people WHERE Height > 1 OR")
+    assert _allowed(c, _ids(qwen_ll, "DER", " Height")) == [True, True]  # OR -> ORDER
+    c = _scoped(qwen_ll, "poker_player", "SELECT count(*) AS order")
+    assert _allowed(c, _ids(qwen_ll, "_cnt")) == [True]  # an alias is being written
+    c = _scoped(qwen_ll, "poker_player", "SELECT count(*) AS order_cnt FROM people ORDER BY order")
+    assert _allowed(c, _ids(qwen_ll, "_cnt")) == [True]  # ... and named again
+    c = _scoped(qwen_ll, "poker_player", "SELECT Name FROM people WHERE Name = 'FROM")
+    assert _allowed(c, _ids(qwen_ll, "age")) == [True]  # inside a literal

@@ -19,7 +19,8 @@ loosening (``order_by_aliases``, on by default): an ORDER BY term may be a bare 
 identifier, so ``ORDER BY cnt`` after ``COUNT(*) AS cnt`` stays expressible.
 
 Whitespace between lexemes is free (``%ignore``); for the same lexer reason a keyword is not
-forced apart from the next word (``SELECTname`` parses; SQLite then rejects it). A complete
+forced apart from the next word (``SELECTname`` parses; SQLite then rejects it; the scope
+constraint, :class:`pask.structure.sql_scope.ScopedConstraint`, refuses it). A complete
 query is an accepting state, so EOS may end it; after ``;`` the matcher is stopped and only
 EOS is allowed.
 """

@@ -368,6 +368,7 @@ def scope_errors(sql: str, schema: Schema) -> list[ScopeError]:
 # -- scope-aware decoding -------------------------------------------------------------------------
 _IDENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 _PARTIAL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
+_ALIAS_NEXT = re.compile(r"(?i)(?:^|[^A-Za-z0-9_])as\s+$")  # the text before an alias
 _RUN = re.compile(r"[A-Za-z0-9_]+")
 _EXITS = frozenset(("where", "group", "order", "limit", "union", "intersect", "except"))
 _WORDS = frozenset((*_KEYWORDS, *_CALLABLE, *CAST_TYPES))
@@ -536,7 +537,8 @@ class ScopedConstraint(Constraint):
     * bind an alias that is taken, or whose table lacks a column named through it;
     * write, in an ON condition or after the FROM clause, a column no table in scope has (a
       sub-query's GROUP BY / ORDER BY: its own tables); after ``T.``, a column ``T``'s table lacks
-      (``T`` not bound yet: a column that no one table has together with those named through ``T``).
+      (``T`` not bound yet: a column that no one table has together with those named through ``T``);
+    * glue a word to a keyword (``WHEREname``, ``ORDERBY``, ``LIMIT10``: :meth:`_glue_rests`).
 
     A FROM clause may end anyway once nothing can mend it or it holds #tables + 2 references.
     The masks are numpy operations over token classes precomputed per tokenizer (:class:`_Vocab`),
@@ -757,9 +759,36 @@ class ScopedConstraint(Constraint):
             member = self._qualified_member(head, partial.lower())
             if member is not None:
                 parts.append(self._packed(("dot", *member), lambda: self._dot_bad(*member)))
+        if (rests := self._glue_rests(head, partial)) is not None:
+            parts.append(self._packed(("glue", partial.lower(), rests), lambda: self._glue_bad(rests)))
         if not parts:
             return None
         return np.bitwise_or.reduce(parts) if len(parts) > 1 else parts[0]
+
+    def _glue_rests(self, head: str, partial: str) -> frozenset[str] | None:
+        """After a keyword written as a whole word, the ways a token may go on with it (None: any).
+
+        The grammar ignores whitespace between lexemes, so ``WHERE`` followed by ``name`` lexes as
+        two lexemes and ``WHEREname`` passes, as do ``ORDERBY`` and ``LIMIT10`` (SQLite rejects them;
+        seen on compressed caches). Going on with a keyword's run is kept for the words it starts:
+        longer keywords (``OR`` -> ``ORDER``), function and type names, the schema's names and the
+        identifiers written so far (an alias such as ``order_cnt``). Not after ``AS`` (an alias is
+        being written, any identifier), after ``.`` (a column) or inside a literal.
+        """
+        low = partial.lower()
+        if low not in _KEYWORDS or head[-1:].isalnum() or head[-1:] in ("_", ".") or _ALIAS_NEXT.search(head):
+            return None
+        if self._state(head)[1]:
+            return None
+        tables, columns = self._names
+        written = {w.lower() for w in _RUN.findall(head)}
+        words = _WORDS | tables.keys() | columns | written
+        return frozenset(w[len(low) :] for w in words if w.startswith(low) and len(w) > len(low))
+
+    def _glue_bad(self, rests: frozenset[str]) -> np.ndarray:
+        """Tokens that go on with the keyword's run other than into one of ``rests``."""
+        v = self._v
+        return v.cont_start & ~_mark(np.zeros_like(v.cont_start), v.cont, rests, _prefixes(rests))
 
     def _packed(self, key: tuple, make) -> np.ndarray:
         """``make()`` (a boolean mask over the vocabulary) packed into bitmask words, memoised by ``key``."""
