@@ -304,3 +304,40 @@ def test_sql_ex_without_empty_gold_cases(tmp_path):
     bfcl = tmp_path / "b"
     make_cell(bfcl, "bfcl", "pask", 0.2, 0.2, [1, 1, 1, 1])
     assert "Table 2b" not in markdown(collect(bfcl))  # only where cells record it
+
+
+def test_frontier_targets_name_the_best_baseline_and_significant_losses(tmp_path):
+    root = tmp_path / "r"
+    make_cell(root, "bfcl", "full", None, 1.0, [1, 1, 1, 1], outcomes=[True] * 30)
+    make_cell(root, "bfcl", "pask-k4v2", 0.2, 0.201, [1, 1, 1, 1], outcomes=[True] * 20 + [False] * 10)
+    make_cell(root, "bfcl", "kivi-2", 0.2, 0.21, [1, 1, 1, 1], outcomes=[True] * 5 + [False] * 25)
+    make_cell(root, "bfcl", "snapkv", 0.2, 0.2, [1, 1, 1, 1], outcomes=[False] * 25 + [True] * 5)
+    make_cell(root, "bfcl", "mikv", 0.2, 0.2, [0, 0, 0, 0], outcomes=[False] * 10 + [True] * 10 + [False] * 10)
+    md = markdown(collect(root))
+    rows = [cells_of(r) for r in table(md, "Frontier targets: PASK (K4V2)")]
+    # best baseline by score (the fabricated summaries: KIVI-2 and SnapKV 10.00, MiKV 0): the
+    # smaller B wins the tie; PASK is right on c0-c19, SnapKV on c25-c29
+    assert rows[1][:3] == ["0.2", "10.00 (0.201)", "+0.00"]
+    assert rows[1][3] == "0 : 10, p = 0.002"
+    assert rows[1][4] == "SnapKV 10.00 (0.200)" and rows[1][6] == "20 : 5, p = 0.004"
+    assert rows[1][7] == "none"
+    make_cell(root, "bfcl", "h2o", 0.2, 0.2, [1, 1, 1, 1], outcomes=[True] * 30)
+    rows = [cells_of(r) for r in table(markdown(collect(root)), "Frontier targets: PASK (K4V2)")]
+    assert rows[1][7] == "H2O"  # right on all ten cases PASK misses: p = 0.002
+
+
+def test_report_says_when_cells_mix_code_versions(tmp_path):
+    root = tmp_path / "r"
+    for policy, budget, commit in (("full", None, "a" * 40), ("pask", 0.2, "b" * 40)):
+        cell = make_cell(root, "bfcl", policy, budget, budget or 1.0, [1, 1, 1, 1])
+        manifest = json.loads((cell / "cell.json").read_text())
+        manifest["code_version"] = {"commit": commit, "dirty": policy == "pask"}
+        manifest["runs"] = [{"machine": {"native_attention_isa": "avx512"}}]
+        (cell / "cell.json").write_text(json.dumps(manifest))
+    md = markdown(collect(root))
+    assert "**This setting mixes code versions or machines**" in md
+    assert "- aaaaaaa (avx512): Full KV" in md and "- bbbbbbb-dirty (avx512): PASK 0.2" in md
+    one = tmp_path / "one"
+    make_cell(one, "bfcl", "pask", 0.2, 0.2, [1, 1, 1, 1])
+    assert "Every cell: code version ? , native kernels ?." not in markdown(collect(one))
+    assert "Every cell: code version ?, native kernels ?." in markdown(collect(one))

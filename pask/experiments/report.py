@@ -9,8 +9,12 @@ and policy (runs of ``pask eval``). Tables, one set per (model, task, split):
 - Table 2: overall accuracy (SQL: EX) by target budget, each with its measured B;
 - Table 9: target vs measured budget per method;
 - Table 17: the PASK ablation (``pask-prefill`` / ``pask-decode`` / ``pask`` cells) when present;
-- a paired comparison of PASK with every other cell at the same budget on the cases both ran
-  (discordant counts and the exact sign test: a difference of a few cases is within noise).
+- a paired comparison of PASK (and of PASK (K4V2)) with every other cell at the same budget on the
+  cases both ran (discordant counts and the exact sign test: a difference of a few cases is within noise);
+- the frontier targets (issue 29): per budget, PASK against Full KV and the best baseline, paired,
+  and the baselines it is significantly below;
+- SQL: Table 2b, EX without the cases whose gold query returns no rows;
+- the code version and machine of each cell, and a warning when a setting mixes them.
 
 Plots (matplotlib, Agg): accuracy vs measured B per method with Full KV as a dashed reference
 line (Figure 3; coincident points dodged sideways, a lone budget drawn as labelled points),
@@ -99,6 +103,8 @@ class CellResult:
     b_decode: float | None = None
     outcomes: dict[str, bool] = field(default_factory=dict, repr=False)  # case id -> correct (cases.jsonl)
     accuracy_nonempty: float | None = None  # SQL: EX on the cases whose gold query returns rows
+    version: str = ""  # the code version that made the cell (commit, "-dirty"), from its cell.json
+    machine: str = ""  # the CPU it ran on (ISA of the native kernels), from its cell.json
     gold_empty: int | None = None  # SQL: how many gold queries return no rows
 
     @property
@@ -166,10 +172,11 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
     if policy == "full":
         budget = None
     acc, n, groups, group_n = _scores(summary, summary_path)
-    status, expected = "done", None
+    status, expected, version, machine = "done", None, "", ""
     if manifest:
         status = "done" if manifest.get("status") == "done" else "running"
         expected = manifest.get("n_cases")
+        version, machine = _version(manifest)
     return CellResult(
         model=str(model),
         task=str(task),
@@ -189,7 +196,20 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         outcomes=_outcomes(cell_dir / "cases.jsonl"),
         accuracy_nonempty=summary["overall"].get("ex_nonempty_gold"),
         gold_empty=summary["overall"].get("gold_empty"),
+        version=version,
+        machine=machine,
     )
+
+
+def _version(manifest: dict) -> tuple[str, str]:
+    """(code version, machine) of a cell's manifest: the commit (``-dirty`` when it was) and the
+    native kernels' ISA of its last run."""
+    code = manifest.get("code_version") or {}
+    version = str(code.get("commit", ""))[:7] + ("-dirty" if code.get("dirty") else "")
+    runs = manifest.get("runs") or [{}]
+    m = runs[-1].get("machine") or {}
+    machine = m.get("native_attention_isa") or m.get("torch_cpu_capability") or ""
+    return version, str(machine)
 
 
 def _outcomes(jsonl: Path) -> dict[str, bool]:
@@ -349,6 +369,11 @@ def table_ablation(cells: list[CellResult], budget: float) -> list[str]:
     return lines
 
 
+def _p(p: float) -> str:
+    """A sign test's p for a table: three decimals, ``< 0.001`` below that."""
+    return "–" if math.isnan(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+
 def sign_test_p(only_a: int, only_b: int) -> float:
     """Two-sided exact sign test (McNemar's exact test) on the discordant pairs of a paired comparison."""
     n, k = only_a + only_b, min(only_a, only_b)
@@ -381,10 +406,86 @@ def table_paired(cells: list[CellResult], budget: float, ref: str = "pask") -> l
         both = sum(base.outcomes[i] and c.outcomes[i] for i in ids)
         name = f"{c.method} (B = {_f(c.measured_b, 3)})"
         lines.append(
-            _row(
-                [name, str(len(ids)), str(a), str(b), str(both), str(len(ids) - a - b - both), _f(sign_test_p(a, b), 3)]
-            )
+            _row([name, str(len(ids)), str(a), str(b), str(both), str(len(ids) - a - b - both), _p(sign_test_p(a, b))])
         )
+    return lines
+
+
+def _paired(base: CellResult, other: CellResult) -> tuple[int, int, float]:
+    """(base only right, other only right, sign test p) on the cases both ran."""
+    ids = set(base.outcomes) & set(other.outcomes)
+    a = sum(base.outcomes[i] and not other.outcomes[i] for i in ids)
+    b = sum(other.outcomes[i] and not base.outcomes[i] for i in ids)
+    return a, b, sign_test_p(a, b)
+
+
+BASELINE_SKIP = {"full", "pask", "pask-3a", "pask-k4v2", "pask-prefill", "pask-decode"}
+
+
+def table_frontier(cells: list[CellResult], ref: str) -> list[str]:
+    """Issue 29's targets at each budget: PASK (``ref``) against Full KV and against the best
+    baseline at that budget (the highest score among the non-PASK cells), paired, and every
+    baseline PASK is significantly below (sign test p < 0.05)."""
+    full, budgets = _full(cells), [b for b in _budgets(cells) if _at(cells, ref, b) is not None]
+    if not budgets:
+        return []
+    c0, who = cells[0], METHODS.get(ref, ref)
+    lines = [f"### Frontier targets: {who} against Full KV and the best baseline ({c0.model}, {_task(c0.task)})", ""]
+    lines += _head(
+        ["B", who, "vs Full KV", "paired vs Full", "best baseline", "vs best", "paired vs best", "significantly below"]
+    )
+    for b in budgets:
+        p = _at(cells, ref, b)
+        row = [f"{b:g}", f"{_f(p.accuracy)} ({_f(p.measured_b, 3)})"]
+        if full is not None and full.accuracy is not None and p.accuracy is not None:
+            row += [f"{p.accuracy - full.accuracy:+.2f}", _pair_text(p, full)]
+        else:
+            row += ["–", "–"]
+        others = [c for c in cells if c.policy not in BASELINE_SKIP and c.accuracy is not None]
+        others = [c for c in others if _at([c], c.policy, b) is c]
+        if others and p.accuracy is not None:
+            best = max(others, key=lambda c: (c.accuracy, -c.measured_b))
+            row += [
+                f"{best.method} {_f(best.accuracy)} ({_f(best.measured_b, 3)})",
+                f"{p.accuracy - best.accuracy:+.2f}",
+            ]
+            row.append(_pair_text(p, best))
+            row.append(", ".join(o.method for o in others if _below(p, o)) or "none")
+        else:
+            row += ["–", "–", "–", "–"]
+        lines.append(_row(row))
+    lines += ["", f"Paired: {who} only right : the other only right, exact sign test on the cases both ran."]
+    return lines
+
+
+def _pair_text(base: CellResult, other: CellResult) -> str:
+    """``base only right : other only right, p ...`` (``–`` without per-case rows on either side)."""
+    if not (base.outcomes and other.outcomes):
+        return "–"
+    a, b, p = _paired(base, other)
+    return f"{a} : {b}, p " + (_p(p) if p < 0.001 else f"= {_p(p)}")
+
+
+def _below(base: CellResult, other: CellResult) -> bool:
+    """Whether ``base`` is significantly below ``other`` (sign test p < 0.05, ``other`` ahead)."""
+    if not (base.outcomes and other.outcomes):
+        return False
+    a, b, p = _paired(base, other)
+    return b > a and p < 0.05
+
+
+def versions_note(cells: list[CellResult]) -> list[str]:
+    """Which code version and machine made each cell; says so when they differ."""
+    by: dict[tuple[str, str], list[str]] = {}
+    for c in cells:
+        name = c.method + ("" if c.budget is None else f" {c.budget:g}")
+        by.setdefault((c.version or "?", c.machine or "?"), []).append(name)
+    if len(by) == 1:
+        (version, machine), _ = next(iter(by.items()))
+        return [f"Every cell: code version {version}, native kernels {machine}."]
+    lines = ["**This setting mixes code versions or machines** (each cell's `cell.json` has its own):", ""]
+    for (version, machine), names in sorted(by.items()):
+        lines.append(f"- {version} ({machine}): {', '.join(names)}")
     return lines
 
 
@@ -413,10 +514,14 @@ def markdown(cells: list[CellResult], plots: dict[str, str] | None = None) -> st
         for b in budgets:
             if any(_at(group, p, b) for p in ("pask-prefill", "pask-decode")):
                 lines += [*table_ablation(group, b), ""]
+        for ref in PAIRED_REFS:
+            if frontier := table_frontier(group, ref):
+                lines += [*frontier, ""]
         for b in budgets:
             for ref in PAIRED_REFS:
                 if paired := table_paired(group, b, ref):
                     lines += [*paired, ""]
+        lines += [*versions_note(group), ""]
         for name, rel in sorted((plots or {}).items()):
             if name.startswith(f"{model}/{task}/{split}/"):
                 lines += [f"![{name.rsplit('/', 1)[1][2:].replace('-', ' ')}]({rel})", ""]
