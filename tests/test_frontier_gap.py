@@ -62,3 +62,13 @@ def test_cli_refuses_a_missing_cell(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         fg.main(["--full", str(tmp_path), f"{_table(tmp_path)}={tmp_path / 'nope'}"])
     assert e.value.code == 2 and "TABLE.json=CELL_DIR" in capsys.readouterr().err
+
+
+def test_sql_glue_finds_a_keyword_glued_to_the_next_word():
+    spec = importlib.util.spec_from_file_location("sql_glue", Path(__file__).parents[1] / "benchmarks/sql_glue.py")
+    sg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sg)
+    assert sg.glued("SELECT Name FROM people WHERENationality = 'x'", "poker_player") == "WHERENationality"
+    assert sg.glued("SELECT Name FROM people ORDERBY Name", "poker_player") == "ORDERBY"
+    assert sg.glued("SELECT Name FROM people ORDER BY Name LIMIT 1", "poker_player") is None
+    assert sg.glued("SELECT Name FROM people WHERE Name = 'WHERENationality'", "poker_player") is None
