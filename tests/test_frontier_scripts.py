@@ -1,4 +1,4 @@
-"""benchmarks/frontier_gap.py: items, admitted harm and the exhaustive bound on a fabricated table."""
+"""benchmarks/frontier_gap.py (items, admitted harm, the exhaustive bound) and benchmarks/sql_glue.py."""
 
 from __future__ import annotations
 
