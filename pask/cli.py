@@ -266,12 +266,15 @@ def _committed_tables() -> str:
     """The committed function-calling tables, e.g. ``qwen2.5-coder-0.5b at B 0.25, 0.33``."""
     import re
 
-    from pask.policies.table import TABLES_DIR
+    from pask.policies.table import INDEXED_DEFAULTS, TABLES_DIR
 
     found: dict[str, list[float]] = {}
     for path in TABLES_DIR.glob("*-bfcl-b*.json"):
         if m := re.fullmatch(r"(.+)-bfcl-b([0-9.]+)\.json", path.name):
             found.setdefault(m[1], []).append(float(m[2]))
+    for (model, task, budget), name in INDEXED_DEFAULTS.items():
+        if task == "bfcl" and (TABLES_DIR / name).is_file():
+            found.setdefault(model, []).append(float(budget))
     return "; ".join(f"{k} at B {', '.join(f'{b:g}' for b in sorted(v))}" for k, v in sorted(found.items())) or "none"
 
 

@@ -94,7 +94,7 @@ def test_pask_without_a_committed_table_is_a_clear_error(tmp_path, no_model):
     text = _output(res)
     assert res.exit_code == 2, res.output
     assert "--policy pask needs --table FILE" in text and "no committed PASK table for model 'smollm2-135m'" in text
-    assert "qwen2.5-coder-0.5b at B 0.25, 0.33" in text and "pask calibrate" in text
+    assert "qwen2.5-coder-0.5b at B 0.15, 0.2, 0.25, 0.33" in text and "pask calibrate" in text
     res = _run("generate", req, *SMOL, "--policy", "pask")
     assert res.exit_code == 2 and "needs --budget" in _output(res)
 

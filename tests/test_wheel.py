@@ -23,7 +23,7 @@ import pytest
 
 from pask.errors import PaskError
 from pask.policies import tuning
-from pask.policies.table import TABLES_DIR, default_table, load
+from pask.policies.table import INDEXED_DEFAULTS, TABLES_DIR, default_table, load
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "qwen2.5-coder-0.5b"
@@ -38,6 +38,12 @@ def test_default_table_finds_the_committed_tables():
         assert default_table(MODEL, "sql", b).name == f"{MODEL}-sql-b{b:g}.json"
     assert default_table(MODEL, "bfcl", 0.25).name == f"{MODEL}-bfcl-b0.25.json"
     assert default_table(MODEL, "bfcl", float("0.330")) == bfcl  # the budget's value, not its spelling
+    # below INT4's floor: the K4V2 frontier tables (issue 29)
+    assert default_table(MODEL, "bfcl", 0.2).name == f"{MODEL}-bfcl-k4v2-b0.2.json"
+    assert default_table(MODEL, "bfcl", 0.150).name == f"{MODEL}-bfcl-k4v2-b0.15.json"
+    assert default_table(MODEL, "sql", 0.2).name == f"{MODEL}-sql-cd-k4v2-b0.2.json"
+    assert default_table(MODEL, "sql", 0.15).name == f"{MODEL}-sql-cd-k4v2-b0.15.json"
+    assert default_table("smollm2-135m", "bfcl", 0.2) is None
 
 
 @pytest.mark.parametrize(
@@ -64,7 +70,10 @@ def test_every_default_table_matches_its_name():
             table = load(path)
         got = default_table(table.model_name, table.task, table.target_b)
         # an experiment's table: calibrated on all four BFCL categories (-bfcl4-), or a four- / three-action
-        # or K4V2 frontier calibration (-4a- / -3a- / -k4v2-), never a default
+        # or K4V2 frontier calibration (-4a- / -3a- / -k4v2-), never a default unless INDEXED_DEFAULTS names it
+        if path.name in INDEXED_DEFAULTS.values():
+            assert got == path, path.name
+            continue
         if any(mark in path.name for mark in ("-bfcl4-", "-4a-", "-3a-", "-k4v2-")):
             assert got != path
             continue

@@ -190,12 +190,25 @@ TABLES_DIR = Path(__file__).resolve().parents[1] / "tables"
 DEFAULT_TASKS = ("bfcl", "sql")  # tasks with default tables (``bfcl4``'s table is an experiment, not a default)
 
 
+#: Defaults below uniform INT4's floor (issue 29): the K4V2 frontier tables, whose file names say
+#: how they were made rather than follow ``{model}-{task}-b{budget}.json``.
+INDEXED_DEFAULTS: dict[tuple[str, str, str], str] = {
+    ("qwen2.5-coder-0.5b", "bfcl", "0.15"): "qwen2.5-coder-0.5b-bfcl-k4v2-b0.15.json",
+    ("qwen2.5-coder-0.5b", "bfcl", "0.2"): "qwen2.5-coder-0.5b-bfcl-k4v2-b0.2.json",
+    ("qwen2.5-coder-0.5b", "sql", "0.15"): "qwen2.5-coder-0.5b-sql-cd-k4v2-b0.15.json",
+    ("qwen2.5-coder-0.5b", "sql", "0.2"): "qwen2.5-coder-0.5b-sql-cd-k4v2-b0.2.json",
+}
+
+
 def default_table(model: str, task: str, budget: float) -> Path | None:
     """The committed table shipped in ``pask/tables`` for an embedded model name (e.g.
     ``"qwen2.5-coder-0.5b"``), a task (``"bfcl"`` or ``"sql"``) and a budget: the file
-    ``{model}-{task}-b{budget:g}.json`` (e.g. ``qwen2.5-coder-0.5b-bfcl-b0.33.json``), or None if
-    there is none (another model, task or budget)."""
+    ``{model}-{task}-b{budget:g}.json`` (e.g. ``qwen2.5-coder-0.5b-bfcl-b0.33.json``), else the
+    K4V2 frontier table :data:`INDEXED_DEFAULTS` names at B = 0.15 / 0.2, or None if there is none
+    (another model, task or budget)."""
     if task not in DEFAULT_TASKS or not model or "/" in model or "\\" in model:
         return None
     path = TABLES_DIR / f"{model}-{task}-b{float(budget):g}.json"
+    if not path.is_file() and (name := INDEXED_DEFAULTS.get((model, task, f"{float(budget):g}"))):
+        path = TABLES_DIR / name
     return path if path.is_file() else None
