@@ -324,6 +324,10 @@ def test_frontier_targets_name_the_best_baseline_and_significant_losses(tmp_path
     make_cell(root, "bfcl", "h2o", 0.2, 0.2, [1, 1, 1, 1], outcomes=[True] * 30)
     rows = [cells_of(r) for r in table(markdown(collect(root)), "Frontier targets: PASK (K4V2)")]
     assert rows[1][7] == "H2O"  # right on all ten cases PASK misses: p = 0.002
+    assert rows[1][8] == "–"
+    make_cell(root, "bfcl", "kivi-mix", 0.2, 0.219, [2, 2, 2, 2], outcomes=[True] * 30)
+    rows = [cells_of(r) for r in table(markdown(collect(root)), "Frontier targets: PASK (K4V2)")]
+    assert rows[1][4].startswith("H2O") and rows[1][8] == "KIVI-4/2 mix 20.00 (0.219)"  # above 0.2 + 0.01
 
 
 def test_report_says_when_cells_mix_code_versions(tmp_path):
