@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from pask.evaluation.case_rows import read_done
-from pask.experiments.provenance import add_allow_dirty, write_result
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 from pask.experiments.report import sign_test_p
 
 ORDER = {"H": 0, "L": 1, "L2": 2, "R": 3}  # harm order of the actions (release last)
@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="result stem (JSON + markdown via the shared writer)")
     add_allow_dirty(ap)
     args = ap.parse_args(argv)
+    if args.out:  # refuse a dirty tree before any work
+        check_clean(args.out, args.allow_dirty)
     parts, blocks = [], []
     for pair in args.pairs:
         table, sep, cell = pair.partition("=")

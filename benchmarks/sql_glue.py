@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 
 from pask.evaluation.case_rows import read_done
-from pask.experiments.provenance import add_allow_dirty, write_result
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
 from pask.structure.sql_grammar import AGGREGATES, CAST_TYPES, FUNCTIONS, KEYWORDS
 from pask.tasks.text_to_sql import load_schema
 
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="result stem (JSON + markdown via the shared writer)")
     add_allow_dirty(ap)
     args = ap.parse_args(argv)
+    if args.out:  # refuse a dirty tree before any work
+        check_clean(args.out, args.allow_dirty)
     for c in args.cells:
         if not (c / "cases.jsonl").is_file():
             ap.error(f"{c}: no cases.jsonl")
