@@ -16,14 +16,13 @@ layer group at the action at once, so an item taking it in some groups only is c
 from __future__ import annotations
 
 import argparse
-import ast
+import itertools
 import json
-import shlex
 import sys
 from pathlib import Path
 
 from pask.evaluation.case_rows import read_done
-from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.experiments.provenance import add_allow_dirty, check_clean, default_command, write_result
 from pask.experiments.report import sign_test_p
 
 ORDER = {"H": 0, "L": 1, "L2": 2, "R": 3}  # harm order of the actions (release last)
@@ -31,9 +30,7 @@ COST = {"H": 1.0, "L": 0.3125, "R": 0.0}  # bytes per BF16 byte; L2 from the tab
 
 
 def _buckets(table: dict) -> list[dict]:
-    cal = table.get("calibration") or {}
-    b = cal.get("buckets")
-    b = ast.literal_eval(b) if isinstance(b, str) else b
+    b = (table.get("calibration") or {}).get("buckets")
     if not b:
         raise SystemExit("the table records no calibration buckets (a table fitted before issue 29?)")
     return b
@@ -68,10 +65,8 @@ def admitted(row: dict) -> float:
 def best_uniform(rows: list[dict], cost: dict[str, float], budget: float) -> tuple[float, dict[str, str]]:
     """The least admitted V of any table that gives each item one action in every layer group and
     holds at most ``budget`` (exhaustive: 4 ** items tables; floors taken per item, their strictest)."""
-    import itertools
-
     best: tuple[float, dict[str, str]] = (float("inf"), {})
-    floors = [max(r["floors"].values(), key=lambda a: -ORDER[a]) for r in rows]
+    floors = [min(r["floors"].values(), key=ORDER.get) for r in rows]
     for combo in itertools.product(ORDER, repeat=len(rows)):
         held = sum(r["weight"] * cost[a] for r, a in zip(rows, combo, strict=True))
         if held > budget:
@@ -182,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks.append(md)
     text = "# Frontier tables: bytes and admitted harm by item\n\n" + "\n\n".join(blocks) + "\n"
     if args.out:
-        cmd = "python benchmarks/frontier_gap.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        cmd = None if argv is None else default_command([__file__, *argv])
         write_result(args.out, {"tables": parts}, text, command=cmd, allow_dirty=args.allow_dirty)
     print(text)
     return 0

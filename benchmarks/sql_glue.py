@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 import sys
 from functools import cache
 from pathlib import Path
 
 from pask.evaluation.case_rows import read_done
-from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.experiments.provenance import add_allow_dirty, check_clean, default_command, write_result
 from pask.structure.sql_grammar import AGGREGATES, CAST_TYPES, FUNCTIONS, KEYWORDS
 from pask.tasks.text_to_sql import load_schema
 
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['cell']} | {r['n']} | {r['glued']} | {r['correct']} | {ex} |")
     text = "# Text-to-SQL outputs with a keyword glued to the next word\n\n" + "\n".join(lines) + "\n"
     if args.out:
-        cmd = "python benchmarks/sql_glue.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        cmd = None if argv is None else default_command([__file__, *argv])
         write_result(args.out, {"cells": res}, text, command=cmd, allow_dirty=args.allow_dirty)
     print(text)
     return 0

@@ -400,14 +400,11 @@ def table_paired(cells: list[CellResult], budget: float, ref: str = "pask") -> l
     for c in others:
         if c is None or not c.outcomes:
             continue
-        ids = sorted(set(base.outcomes) & set(c.outcomes))
-        a = sum(base.outcomes[i] and not c.outcomes[i] for i in ids)
-        b = sum(c.outcomes[i] and not base.outcomes[i] for i in ids)
+        ids = set(base.outcomes) & set(c.outcomes)
+        a, b, p = _paired(base, c)
         both = sum(base.outcomes[i] and c.outcomes[i] for i in ids)
         name = f"{c.method} (B = {_f(c.measured_b, 3)})"
-        lines.append(
-            _row([name, str(len(ids)), str(a), str(b), str(both), str(len(ids) - a - b - both), _p(sign_test_p(a, b))])
-        )
+        lines.append(_row([name, str(len(ids)), str(a), str(b), str(both), str(len(ids) - a - b - both), _p(p)]))
     return lines
 
 

@@ -484,6 +484,7 @@ class _SchemaFacts:
     dist: dict[str, dict[str, int]]  # foreign-key hops between tables (_join_distances)
     bare: frozenset[str]  # tables none of whose columns needs quotes
     cap: int  # table references after which a FROM clause may end anyway
+    words: frozenset[str]  # keywords, functions, types and the schema's names (lower-cased)
 
 
 @lru_cache(maxsize=32)
@@ -503,6 +504,7 @@ def _schema_facts(schema: Schema) -> _SchemaFacts:
         dist=_join_distances(schema),
         bare=frozenset(t.name.lower() for t in schema.tables if all(is_bare_identifier(c.name) for c in t.columns)),
         cap=len(columns) + 2,
+        words=_WORDS | names,
     )
 
 
@@ -556,6 +558,7 @@ class ScopedConstraint(Constraint):
         facts = _schema_facts(schema)
         self._names, self._columns, self._exit_only = facts.names, facts.columns, facts.exit_only
         self._dist, self._bare, self._cap = facts.dist, facts.bare, facts.cap
+        self._words = facts.words
         self._states: dict[str, tuple[ScopeState, bool]] = {}  # text (right-stripped) -> its state
         self._checkpoint: tuple[str, str, ScopeState] | None = None  # see _feed
         self._rule_memo: dict[str, list[tuple]] = {}
@@ -780,9 +783,7 @@ class ScopedConstraint(Constraint):
             return None
         if self._state(head)[1]:
             return None
-        tables, columns = self._names
-        written = {w.lower() for w in _RUN.findall(head)}
-        words = _WORDS | tables.keys() | columns | written
+        words = self._words | {w.lower() for w in _RUN.findall(head)}
         return frozenset(w[len(low) :] for w in words if w.startswith(low) and len(w) > len(low))
 
     def _glue_bad(self, rests: frozenset[str]) -> np.ndarray:
