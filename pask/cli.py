@@ -123,16 +123,39 @@ def _policy_builder(task: str, policy: str, budget: float | None, config: str | 
     """Check an eval's policy arguments before the model loads; return ``lm -> KV policy`` (None: Full KV)."""
     if budget is not None:
         check_budget(budget, "--budget")
-    if policy != "pask":
+    if policy not in ("pask", "fetch-pask"):
         kv_policy = make_policy(policy, budget, config, task)
         return lambda lm: kv_policy
     if table is None:
-        raise PaskError(f"--policy pask needs --table FILE (made by `pask calibrate --task {task}`)")
+        raise PaskError(f"--policy {policy} needs --table FILE (made by `pask calibrate --task {task}`)")
+    fetch = None
+    if policy == "fetch-pask":  # KVFetch around PASK: the configuration is the wrapper's
+        from pask.policies.kvfetch import FETCH_KEYS, check_config
+
+        try:
+            fetch = json.loads(config) if config else {}
+        except json.JSONDecodeError as e:
+            raise PaskError(f"--policy-config is not valid JSON: {e}") from None
+        if not isinstance(fetch, dict):
+            raise PaskError("--policy-config must be a JSON object")
+        if bad := sorted(set(fetch) - set(FETCH_KEYS)):
+            raise PaskError(
+                f"--policy-config of fetch-pask: unknown option(s) {', '.join(bad)} "
+                f"(KVFetch's options: {', '.join(FETCH_KEYS)}; PASK's come from --table)"
+            )
+        check_config(**fetch)  # before the model loads
+    elif config is not None:
+        raise PaskError("--policy pask takes its configuration from --table, not --policy-config")
 
     def build(lm):
         from pask.policies.pask import make_pask_policy
 
-        return make_pask_policy(load_pask_table(table, task, lm.fingerprint, allow_transfer), budget)
+        pask = make_pask_policy(load_pask_table(table, task, lm.fingerprint, allow_transfer), budget)
+        if fetch is None:
+            return pask
+        from pask.policies.factory import make_fetch
+
+        return make_fetch(policy, budget, fetch, task, inner=pask)
 
     return build
 

@@ -109,15 +109,25 @@ class CellResult:
 
     @property
     def method(self) -> str:
-        return METHODS.get(self.policy, self.policy)
+        return method_name(self.policy)
 
     @property
     def label(self) -> str:
         return self.method + (" *" if self.status != "done" else "")
 
 
+def method_name(policy: str) -> str:
+    """The display name of a policy; ``fetch-<inner>`` (KVFetch around ``inner``) reads "<Inner> + KVFetch"."""
+    if policy.startswith("fetch-"):
+        return f"{method_name(policy.removeprefix('fetch-'))} + KVFetch"
+    return METHODS.get(policy, policy)
+
+
 def method_key(policy: str) -> tuple:
+    """Table order: METHODS' order, each ``fetch-<inner>`` right after its inner policy."""
     order = list(METHODS)
+    if policy.startswith("fetch-") and (inner := policy.removeprefix("fetch-")) in METHODS:
+        return (order.index(inner), "~fetch")
     return (order.index(policy), "") if policy in METHODS else (len(order), policy)
 
 

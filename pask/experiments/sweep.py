@@ -398,8 +398,10 @@ def check_model(name: str) -> None:
 
 def _check_policy(name: str) -> None:
     from pask.policies import policy_names
+    from pask.policies.factory import FETCH_INNER, FETCH_PREFIX
 
-    known = {*policy_names(), "kivi", *ABLATIONS}
+    fetch = {FETCH_PREFIX + p for p in FETCH_INNER if p != "pask"}  # KVFetch around a baseline
+    known = {*policy_names(), "kivi", *ABLATIONS, *fetch}
     if name not in known:
         raise PaskError(f"unknown policy '{name}'; known policies: {', '.join(sorted(known))}")
 

@@ -31,3 +31,19 @@ LOW_BITS = {Action.L: 4, Action.L2: 2}
 def harm(action: Action | int) -> int:
     """Rank of ``action`` in :data:`HARM_ORDER` (0 = H ... 3 = R)."""
     return HARM_ORDER.index(Action(int(action)))
+
+
+class ColdOp(IntEnum):
+    """KVFetch's operations on the cold tier (:mod:`pask.policies.kvfetch`), beside the retention actions.
+
+    A policy returns them in its action list like an :class:`Action`; the cache applies them with
+    :meth:`pask.kv.cache.TieredCache.recall`. ``DEMOTE``: copy held tokens into the cold tier
+    (``CacheConfig.cold_bits`` codes, never read by attention) and release them from attention.
+    ``FETCH``: dequantise demoted tokens back into the H tier (a fetch slot: the one move up the
+    harm chain, and only for a token that has a cold copy). ``UNFETCH``: release fetched tokens
+    again; their cold copy stays.
+    """
+
+    DEMOTE = 10
+    FETCH = 11
+    UNFETCH = 12

@@ -13,6 +13,11 @@ Any token of any layer group may sit in any tier: one cache holds all three at o
 moves down the harm chain H -> L -> L2 -> R (:data:`pask.kv.actions.HARM_ORDER`); an INT4 token
 moved to INT2 is requantised from its dequantised INT4 values.
 
+KVFetch's cold tier (:meth:`TieredCache.recall`, :class:`~pask.kv.actions.ColdOp`) sits beside
+them: low-bit copies (``CacheConfig.cold_bits``) of tokens released from attention, never read by
+attention, counted in the held bytes. A fetch dequantises a cold token into the H tier (the one move
+up the chain, only for a token with a cold copy); an unfetch releases it again.
+
 Each tier is dense: slots ``[0, n)`` are live. Appends write at the tail and double the
 capacity when full (amortised O(1) per token); removals move the last live slots into the
 holes ("swap-remove", O(removed) copies) so no hole is ever held, and a tier whose live part
@@ -36,7 +41,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pask.kv import native_attention
-from pask.kv.actions import LOW_BITS, Action, harm
+from pask.kv.actions import LOW_BITS, Action, ColdOp, harm
 from pask.kv.budget import BudgetMeter
 from pask.kv.config import CacheConfig
 from pask.kv.errors import (
@@ -334,6 +339,8 @@ class TieredCache(Cache):
         tiers = ix.tier_of.t[pos].long()
         if bool((tiers == R).any()):
             raise self._released(seq, group, pos[tiers == R][:5].tolist())
+        if ix.fetched:
+            self._check_fetched(seq, group, ix, pos, action)
         above = [t for t in (L, L2) if harm(t) > harm(action)]
         bad = torch.isin(tiers, torch.tensor(above, dtype=torch.long)) if above else None
         if bad is not None and bool(bad.any()):
@@ -377,6 +384,19 @@ class TieredCache(Cache):
             f"positions {bad} of sequence {seq}, group {group} are {have}: {have} cannot go back to {want}"
         )
 
+    @staticmethod
+    def _check_fetched(seq: int, group: int, ix: _GroupIndex, pos: torch.Tensor, action: Action) -> None:
+        """A fetched token (a KVFetch slot) may only be released (R: it leaves its slot, its cold copy stays)."""
+        hit = [p for p in pos.tolist() if p in ix.fetched]
+        if not hit:
+            return
+        if action != Action.R:
+            raise IrreversibleActionError(
+                f"positions {hit[:5]} of sequence {seq}, group {group} are fetched from the cold tier: "
+                "they can only be released"
+            )
+        ix.fetched.difference_update(hit)
+
     def _apply_one(self, seq: int, group: int, ix: _GroupIndex, p: int, action: Action) -> None:
         """:meth:`apply` for one position, with the same checks and errors."""
         if p < 0 or p >= ix.length:
@@ -386,6 +406,8 @@ class TieredCache(Cache):
         tier = int(ix.tier_of.t[p])
         if tier == R:
             raise self._released(seq, group, [p])
+        if ix.fetched:
+            self._check_fetched(seq, group, ix, torch.tensor([p]), action)
         if tier != H and harm(tier) > harm(action):
             raise self._irreversible(seq, group, [p], tier, action)
         if action == Action.H or tier == int(action):
@@ -442,12 +464,90 @@ class TieredCache(Cache):
             layer.seqs[seq].tier(tier).remove(*plan)
         ix.remove(tier, pos, plan)
 
+    # -- KVFetch's cold tier -------------------------------------------------------------------
+    def recall(self, seq: int, group: int, positions, op: ColdOp) -> None:
+        """Apply a cold-tier operation (:class:`~pask.kv.actions.ColdOp`) to ``positions`` of ``seq`` in ``group``."""
+        op = ColdOp(int(op))
+        ix = self.index(seq, group)
+        pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+        if pos.numel() == 0:
+            return
+        if int(pos.min()) < 0 or int(pos.max()) >= ix.length:
+            raise self._unknown(seq, ix, pos[(pos < 0) | (pos >= ix.length)][:5].tolist())
+        if torch.unique(pos).numel() != pos.numel():
+            raise UnknownPositionError(f"duplicate positions in one cold-tier operation for sequence {seq}")
+        ix.cold_slot.ensure(ix.length)
+        layers = [self.layers[i] for i in self.groups[group]]
+        tiers = ix.tier_of.t[pos].long()
+        cold = ix.cold_slot.t[pos].long()
+        if op == ColdOp.DEMOTE:
+            limit = ix.length - self.config.recent_window
+            if int(pos.max()) >= limit:
+                raise self._protected(seq, ix, pos[pos >= limit][:5].tolist())
+            if bool((tiers == R).any()):
+                raise self._released(seq, group, pos[tiers == R][:5].tolist())
+            if bool((cold >= 0).any()):
+                bad = pos[cold >= 0][:5].tolist()
+                raise KVCacheError(f"positions {bad} of sequence {seq}, group {group} already have a cold copy")
+            self._demote(seq, ix, layers, pos, tiers)
+        elif op == ColdOp.FETCH:
+            bad = pos[(tiers != R) | (cold < 0)]
+            if bad.numel():
+                raise KVCacheError(
+                    f"positions {bad[:5].tolist()} of sequence {seq}, group {group} are not in the cold tier "
+                    "(only released tokens with a cold copy can be fetched)"
+                )
+            for layer in layers:
+                st = layer.seqs[seq]
+                k, v = st.low_kv(dtype=st.h.parts["k"].dtype, slots=cold, cold=True)
+                st.h.append(k=k, v=v)
+            ix.unrelease(pos)
+            ix._add(H, pos.to(torch.int32))
+            ix.fetched.update(pos.tolist())
+        else:
+            bad = [p for p in pos.tolist() if p not in ix.fetched]
+            if bad:
+                raise KVCacheError(f"positions {bad[:5]} of sequence {seq}, group {group} were not fetched")
+            self._remove(seq, ix, layers, H, pos)
+            ix.release(pos)
+            ix.fetched.difference_update(pos.tolist())
+
+    def _demote(
+        self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor, tiers: torch.Tensor
+    ) -> None:
+        """Copy the held tokens at ``pos`` (their current values, dequantised from L / L2) into the
+        cold tier of every layer of the group, in ``pos`` order, then release them from attention."""
+        parts = [(t, torch.nonzero(tiers == t).squeeze(1)) for t in (H, L, L2)]
+        parts = [(t, where) for t, where in parts if where.numel()]
+        for layer in layers:
+            st = layer.seqs[seq]
+            dtype = st.h.parts["k"].dtype
+            k = v = None
+            for t, where in parts:
+                slots = ix.slot_of.t[pos[where]].long()
+                if t == H:
+                    kv = st.h.take(slots)
+                    kt, vt = kv["k"], kv["v"]
+                else:
+                    kt, vt = st.low_kv(dtype=dtype, bits=LOW_BITS[Action(t)], slots=slots)
+                if k is None:
+                    shape = (kt.shape[0], pos.numel(), kt.shape[-1])
+                    k, v = kt.new_empty(shape), vt.new_empty(shape)
+                k[:, where] = kt.to(k.dtype)
+                v[:, where] = vt.to(v.dtype)
+            st.append_cold(k, v)
+        ix.add_cold(pos)
+        for t, where in parts:
+            sel = pos[where]
+            self._remove(seq, ix, layers, t, sel)
+            ix.release(sel)
+
     def compact(self) -> None:
         """Return all spare tier capacity now (tiers also shrink by themselves as tokens leave)."""
         for layer in self.layers:
             for st in layer.seqs:
                 if st is not None:
-                    for t in st.tiers():
+                    for t in st.all_tiers():
                         t.compact()
 
     def tiers(self, seq: int, group: int) -> torch.Tensor:
@@ -491,7 +591,7 @@ class TieredCache(Cache):
                     mine.dtype, mine.device = theirs.dtype, theirs.device
                     mine.seqs = [None] * self.num_seqs
                     mine.is_initialized = True
-                for t in store.tiers():
+                for t in store.all_tiers():
                     t.stats = self.stats
                 theirs.seqs[row] = None
             if mine.is_initialized:
@@ -537,6 +637,10 @@ class TieredCache(Cache):
                         per_slot = t.live_bytes() // t.n
                         for i in range(2):
                             held[i] += per_slot * ix.counts[tier][i]
+                if st.cold is not None and st.cold.n:  # KVFetch's cold tier holds bytes too
+                    per_slot = st.cold.live_bytes() // st.cold.n
+                    for i in range(2):
+                        held[i] += per_slot * ix.cold_counts[i]
                 for i in range(2):
                     full[i] += st.h.slot_bytes() * tokens[i]
                 held[0] += st.balance_bytes()  # per-sequence key balance of the low-bit tiers

@@ -22,6 +22,7 @@ class CacheConfig:
     key_balance: bool = True  # balance INT4 keys per channel before quantising (see storage.key_balance)
     headroom: int = 0  # spare slots of a tier's first allocation (0: doubling from initial_capacity)
     l2_key_bits: int = 2  # key code width of the L2 tier: 2 (INT2 keys and values) or 4 (K4V2: INT4 keys, INT2 values)
+    cold_bits: int = 2  # code width of KVFetch's cold tier (pask.policies.kvfetch): 2 or 4
 
     def __post_init__(self) -> None:
         if self.num_groups < 1:
@@ -34,5 +35,7 @@ class CacheConfig:
             raise KVCacheError(f"headroom must be >= 0, got {self.headroom}")
         if self.l2_key_bits not in (2, 4):
             raise KVCacheError(f"l2_key_bits must be 2 or 4, got {self.l2_key_bits!r}")
+        if self.cold_bits not in (2, 4):
+            raise KVCacheError(f"cold_bits must be 2 or 4, got {self.cold_bits!r}")
         if not 0.0 <= self.shrink_below < 0.8:
             raise KVCacheError(f"shrink_below must be in [0, 0.8), got {self.shrink_below}")

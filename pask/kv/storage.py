@@ -7,7 +7,8 @@
 * :class:`_GroupIndex`: per (sequence, layer group), the tier and slot of every position and the
   position of every slot, shared by the layers of the group.
 * :class:`_SeqStore`: one sequence's tiers in one layer: H (model dtype), L (INT4 codes) and L2
-  (INT2 codes), each allocated on its first token.
+  (INT2 codes), each allocated on its first token, and the cold tier (KVFetch's recall channel:
+  low-bit copies of released tokens that attention never reads).
 """
 
 from __future__ import annotations
@@ -295,6 +296,12 @@ class _GroupIndex:
         self.n = dict.fromkeys(TIERS, 0)
         # counts[tier] = [prompt tokens, generated tokens]
         self.counts = {t: [0, 0] for t in (*TIERS, R)}
+        # KVFetch's cold tier: the cold slot of every position (-1: none), its count, and the
+        # positions fetched back into H (they stay in the cold tier too)
+        self.cold_slot = _Growable(torch.int32, fill=-1)
+        self.cold_n = 0
+        self.cold_counts = [0, 0]
+        self.fetched: set[int] = set()
 
     def positions(self, tier: int) -> torch.Tensor:
         return self.pos_of[tier].t[: self.n[tier]]
@@ -309,6 +316,8 @@ class _GroupIndex:
         self.length += k
         self.tier_of.ensure(self.length)
         self.slot_of.ensure(self.length)
+        if self.cold_n:
+            self.cold_slot.ensure(self.length)
         if k == 1:  # a decode step: no tensor ops
             return self.add_one(H, start)
         self._add(H, torch.arange(start, start + k, dtype=torch.int32))
@@ -346,6 +355,20 @@ class _GroupIndex:
         self.tier_of.t[pos.long()] = R
         self._count(R, pos, +1)
 
+    def unrelease(self, pos: torch.Tensor) -> None:
+        """Count released positions out of R (a fetch brings them back into a tier)."""
+        self._count(R, pos, -1)
+
+    def add_cold(self, pos: torch.Tensor) -> None:
+        """Give ``pos`` the next cold slots (in order)."""
+        k = pos.numel()
+        self.cold_slot.ensure(self.length)
+        self.cold_slot.t[pos.long()] = torch.arange(self.cold_n, self.cold_n + k, dtype=torch.int32)
+        self.cold_n += k
+        dec = int((pos >= self.prompt_len).sum())
+        self.cold_counts[0] += k - dec
+        self.cold_counts[1] += dec
+
     # one position at a time (a decode step): plain ints, no tensor ops per call
     def remove_one(self, tier: int, pos: int) -> tuple[int, int]:
         """Swap-remove ``pos`` from ``tier``; returns (its slot, the last slot that moved into it)."""
@@ -372,7 +395,8 @@ class _GroupIndex:
         self.counts[R][int(pos >= self.prompt_len)] += 1
 
     def nbytes(self) -> int:
-        return self.tier_of.nbytes() + self.slot_of.nbytes() + sum(g.nbytes() for g in self.pos_of.values())
+        held = self.tier_of.nbytes() + self.slot_of.nbytes() + self.cold_slot.nbytes()
+        return held + sum(g.nbytes() for g in self.pos_of.values())
 
 
 def key_balance(keys: torch.Tensor) -> torch.Tensor:
@@ -432,6 +456,9 @@ class _SeqStore:
         self.l2_kbits = check_bits(getattr(cfg, "l2_key_bits", 2))  # K4V2 when 4
         self.l = low(4, 4)
         self.l2 = low(2, self.l2_kbits)
+        self._low_tier = low
+        self.cold: _Tier | None = None  # KVFetch's cold tier (created on the first demotion)
+        self.cold_bits = check_bits(getattr(cfg, "cold_bits", 2))
         self.kbal: torch.Tensor | None = None  # [Hkv, 2, D] fp32: per-channel mid-range, sqrt(range)
         self.balanced = getattr(cfg, "key_balance", True)
         self.native = getattr(cfg, "native", True)  # bulk low-bit writes by the native kernel where they apply
@@ -450,8 +477,18 @@ class _SeqStore:
         return 4 if check_bits(bits) == 4 else self.l2_kbits
 
     def tiers(self) -> tuple[_Tier, _Tier, _Tier]:
-        """H, L, L2."""
+        """H, L, L2: the tiers attention reads."""
         return self.h, self.l, self.l2
+
+    def all_tiers(self) -> tuple[_Tier, ...]:
+        """Every tier that holds bytes: H, L, L2 and the cold tier once it exists."""
+        return self.tiers() if self.cold is None else (*self.tiers(), self.cold)
+
+    def cold_tier(self) -> _Tier:
+        """The cold tier (``cold_bits`` codes in the layout of the low tier of that width), created on first use."""
+        if self.cold is None:
+            self.cold = self._low_tier(self.cold_bits, self.key_bits(self.cold_bits))
+        return self.cold
 
     def ensure_balance(self, k: torch.Tensor) -> None:
         """Fix the key balance at the first low-bit write (from the H tier's keys, else ``k``)."""
@@ -469,6 +506,15 @@ class _SeqStore:
 
             if native_attention.quantize_low(self, k, v, bits):
                 return
+        self.low(bits).append(**self._quantize(k, v, bits))
+
+    def append_cold(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantise ``k, v [Hkv, n, D]`` to ``cold_bits`` (as :meth:`append_low`) into the cold tier."""
+        self.ensure_balance(k)
+        self.cold_tier().append(**self._quantize(k, v, self.cold_bits))
+
+    def _quantize(self, k: torch.Tensor, v: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+        """The parts of a ``bits`` tier holding ``k, v [Hkv, n, D]`` (keys balanced per channel)."""
         mid, bal = self.kbal[:, 0:1], self.kbal[:, 1:2]
         b = check_bits(bits)
         kb = self.key_bits(b)
@@ -479,7 +525,7 @@ class _SeqStore:
         pack = pack_pairs if b == 4 else pack_quads
         vq = pack(vc.view(heads, n, d // self.group, self.group)).transpose(1, 2)
         kq = kc if kb == 4 else pack_quads(kc)  # INT4 key parts take unpacked codes (blocked layout)
-        self.low(b).append(kq=kq, ksz=ksz, vq=vq, vs=vs.transpose(1, 2), vz=vz.transpose(1, 2))
+        return {"kq": kq, "ksz": ksz, "vq": vq, "vs": vs.transpose(1, 2), "vz": vz.transpose(1, 2)}
 
     def low_kv(
         self,
@@ -488,10 +534,13 @@ class _SeqStore:
         dtype=torch.float32,
         bits: int = 4,
         slots: torch.Tensor | None = None,
+        cold: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantised keys and values ``[Hkv, m, D]`` of the ``bits`` tier's slots ``[start, stop)``
-        (or of ``slots``, a LongTensor, when given)."""
-        lt = self.low(bits)
+        (or of ``slots``, a LongTensor, when given); ``cold``: of the cold tier (``bits`` ignored)."""
+        if cold:
+            bits = self.cold_bits
+        lt = self.cold_tier() if cold else self.low(bits)
         if slots is None:
             stop = lt.n if stop is None else stop
             slots = torch.arange(start, stop, device=lt.device)
@@ -517,8 +566,8 @@ class _SeqStore:
 
     def live_bytes(self) -> int:
         """Bytes of the live slots of every tier and the key balance."""
-        return sum(t.live_bytes() for t in self.tiers()) + self.balance_bytes()
+        return sum(t.live_bytes() for t in self.all_tiers()) + self.balance_bytes()
 
     def allocated_bytes(self) -> int:
         """Bytes of every tier tensor (spare capacity included) and the key balance."""
-        return sum(t.allocated_bytes() for t in self.tiers()) + self.balance_bytes()
+        return sum(t.allocated_bytes() for t in self.all_tiers()) + self.balance_bytes()

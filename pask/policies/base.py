@@ -74,6 +74,9 @@ class Policy(Protocol):
     K4V2 table: INT4 keys, INT2 values); the decode core builds its cache with it
     (``CacheConfig.l2_key_bits``). ``None``: whatever the cache is configured with (2 by default).
 
+    ``cold_bits``: the code width of the cold tier the policy demotes tokens to (KVFetch,
+    :mod:`pask.policies.kvfetch`; ``CacheConfig.cold_bits``). ``None``: the policy uses no cold tier.
+
     ``needs_tags``: the policy reads the structural tags of generated tokens and the labels of
     prompt tokens (PASK), so the caller attaches a tagger and prompt labels to each request.
 
@@ -100,6 +103,7 @@ class Policy(Protocol):
     step_attention: bool
     step_scorer: Callable | None
     l2_key_bits: int | None
+    cold_bits: int | None
 
     @property
     def target_b(self) -> float:
@@ -108,6 +112,11 @@ class Policy(Protocol):
 
     def reset(self, seq: int) -> None:
         """Forget the per-sequence state of row ``seq`` (a no-op for stateless policies)."""
+        ...
+
+    def report(self, seq: int) -> dict:
+        """Counters the policy kept for row ``seq``'s request (``{}``: none); the decode core calls it
+        when the request finishes, before :meth:`reset`, and records them in its budget as ``policy``."""
         ...
 
     def prefill_actions(self, ctx: SeqContext) -> list[ActionSpec]:
@@ -135,6 +144,7 @@ class PolicyBase:
     step_attention: bool = False
     step_scorer: Callable | None = None
     l2_key_bits: int | None = None  # the key width its L2 action needs (4: K4V2); None: the cache's own
+    cold_bits: int | None = None  # the width of the cold tier it demotes to (KVFetch); None: no cold tier
 
     @property
     def target_b(self) -> float:
@@ -146,14 +156,22 @@ class PolicyBase:
         """Forget the per-sequence state of row ``seq``: nothing to forget here."""
         del seq
 
+    def report(self, seq: int) -> dict:
+        """No counters."""
+        del seq
+        return {}
+
 
 def with_key_bits(config: CacheConfig, policy: Policy) -> CacheConfig:
-    """``config`` with the L2 key width ``policy`` needs (its ``l2_key_bits``; unchanged when ``None``).
+    """``config`` with the L2 key width and cold-tier width ``policy`` needs (its ``l2_key_bits`` and
+    ``cold_bits``; each unchanged when ``None``).
 
     The decode core builds every cache through this, so a K4V2 table always runs on a K4V2 cache
     and its measured B counts the INT4 key bytes.
     """
-    bits = policy.l2_key_bits
-    if bits is None or bits == config.l2_key_bits:
-        return config
-    return dataclasses.replace(config, l2_key_bits=int(bits))
+    changes = {}
+    if policy.l2_key_bits is not None and policy.l2_key_bits != config.l2_key_bits:
+        changes["l2_key_bits"] = int(policy.l2_key_bits)
+    if policy.cold_bits is not None and policy.cold_bits != config.cold_bits:
+        changes["cold_bits"] = int(policy.cold_bits)
+    return dataclasses.replace(config, **changes) if changes else config

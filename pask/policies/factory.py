@@ -7,7 +7,45 @@ import json
 from pask.errors import PaskError
 from pask.kv.budget import check_budget
 from pask.policies import get_policy
+from pask.policies.kvfetch import FETCH_KEYS, FetchPolicy
 from pask.policies.tuning import effective_config
+
+#: ``fetch-<policy>``: KVFetch's recall channel around an eviction policy (:mod:`pask.policies.kvfetch`)
+FETCH_PREFIX = "fetch-"
+#: the policies KVFetch can wrap: those whose releases can feed its cold tier
+FETCH_INNER = ("snapkv", "h2o", "criticalkv", "rocketkv", "lazyeviction", "pask")
+
+
+def make_fetch(name: str, budget: float | None, user: dict, task: str = "bfcl", inner=None) -> FetchPolicy:
+    """``fetch-<inner>``: the configuration's :data:`~pask.policies.kvfetch.FETCH_KEYS` go to the
+    wrapper (its defaults otherwise), the rest to the inner policy, built at ``budget`` with its own
+    tuned configuration (or given as ``inner``: a PASK policy). ``inner`` must be one of
+    :data:`FETCH_INNER`: the policies that release tokens."""
+    base = name.removeprefix(FETCH_PREFIX)
+    if base not in FETCH_INNER:
+        raise PaskError(
+            f"'{name}': KVFetch wraps a policy that releases tokens: "
+            + ", ".join(FETCH_PREFIX + p for p in FETCH_INNER)
+        )
+    if budget is None and inner is None:
+        raise PaskError(f"policy '{name}' needs --budget")
+    own = {k: v for k, v in user.items() if k in FETCH_KEYS}
+    rest = {k: v for k, v in user.items() if k not in FETCH_KEYS}
+    if inner is None:
+        if base == "pask":
+            raise PaskError("fetch-pask needs a PASK table: build it with --table (pask eval / a sweep's tables)")
+        try:
+            inner = make_policy(base, budget, json.dumps(rest) if rest else None, task)
+        except PaskError as e:
+            raise PaskError(f"{e} (policy '{name}'; KVFetch's own options: {', '.join(FETCH_KEYS)})") from None
+    elif rest:
+        raise PaskError(
+            f"'{name}': unknown KVFetch option(s) {', '.join(sorted(rest))} (its options: {', '.join(FETCH_KEYS)})"
+        )
+    try:
+        return FetchPolicy(inner, budget=budget, **own)
+    except TypeError as e:
+        raise PaskError(f"bad configuration for policy '{name}': {e}") from None
 
 
 def make_policy(name: str, budget: float | None, config: str | None = None, task: str = "bfcl"):
@@ -29,6 +67,8 @@ def make_policy(name: str, budget: float | None, config: str | None = None, task
         if budget not in (None, 1.0) or user:
             raise PaskError("policy 'full' keeps every token (B = 1) and takes no configuration")
         return None
+    if name.startswith(FETCH_PREFIX):
+        return make_fetch(name, budget, user, task)
     kwargs = dict(user)
     if budget is not None:
         check_budget(budget, f"{name}: budget")  # before its tuned configuration is looked up at that budget

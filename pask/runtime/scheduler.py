@@ -438,6 +438,8 @@ class Scheduler:
         b = row_budget(self.cache, job.row)
         b["b_total_avg"] = sum(job.samples) / len(job.samples) if job.samples else b["b_total"]
         job.budget = {k: round(v, 5) if isinstance(v, float) else v for k, v in b.items()}
+        if counters := job.policy.report(job.seq):  # e.g. KVFetch's channel: fires, fetched tokens
+            job.budget["policy"] = counters
         held, full = self.cache._seq_bytes(job.row)
         self.finished_budget[0] += sum(held)
         self.finished_budget[1] += sum(full)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pask.kv import stats
+from pask.kv.actions import ColdOp
 from pask.kv.budget import CostModel
 from pask.kv.cache import TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
@@ -121,7 +122,10 @@ def decide_row(
         **(extra or {}),
     )
     for group, positions, action in decide(ctx):
-        cache.apply(row, group, positions, action)
+        if isinstance(action, ColdOp):  # KVFetch's recall channel
+            cache.recall(row, group, positions, action)
+        else:
+            cache.apply(row, group, positions, action)
     return int(leaving[-1]) + 1 if leaving.numel() else decided
 
 
