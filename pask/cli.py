@@ -348,7 +348,10 @@ def _read_request(path: Path) -> dict:
 @user_errors
 def eval_task(
     task: Annotated[
-        str, typer.Argument(metavar="TASK", help="bfcl (function calling) | sql (text-to-SQL) | registered")
+        str,
+        typer.Argument(
+            metavar="TASK", help="bfcl (function calling) | sql (text-to-SQL) | ruler (long context) | registered"
+        ),
     ],
     model: ModelOpt = DEFAULT_MODEL,
     policy: Annotated[str, typer.Option(help="KV policy")] = "full",
@@ -369,11 +372,18 @@ def eval_task(
             "off = the grammar alone (default: on)"
         ),
     ] = None,
+    length: Annotated[
+        int | None, typer.Option(help="ruler: the prompt's length in tokens (default 8192; 4096 / 8192 / 16384)")
+    ] = None,
+    tasks: Annotated[
+        str | None, typer.Option(help="ruler: comma-separated sub-tasks, e.g. niah_single,copy (default: all)")
+    ] = None,
     option: Annotated[
         list[str] | None, typer.Option("--option", "-o", help="another option of the task, KEY=VALUE (repeatable)")
     ] = None,
     limit: Annotated[
-        int | None, typer.Option(help="bfcl: at most N cases per category; sql: the split's first N")
+        int | None,
+        typer.Option(help="bfcl: at most N cases per category; sql: the split's first N; ruler: N per sub-task"),
     ] = None,
     batch_size: BatchOpt = 8,
     batching: BatchingOpt = "static",
@@ -392,7 +402,8 @@ def eval_task(
 ) -> None:
     """Evaluate a model + KV policy on TASK; writes cases.jsonl, summary.json and summary.md.
 
-    bfcl: accuracy per category (paper Table 1); sql: execution accuracy per difficulty (Table 12).
+    bfcl: accuracy per category (paper Table 1); sql: execution accuracy per difficulty (Table 12);
+    ruler: string-match recall per sub-task (RULER) at --length tokens.
     Rerun with the same --out to resume; a folder made with other settings (settings.json) is
     refused unless --force.
     """
@@ -405,7 +416,8 @@ def eval_task(
     for name, value in (("--limit", limit), ("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
         if value is not None and value < 1:
             raise PaskError(f"{name} must be >= 1, got {value}")
-    options = _task_options(t, {"categories": categories, "data_dir": data_dir, "sql_scope": sql_scope}, option)
+    flags = {"categories": categories, "data_dir": data_dir, "sql_scope": sql_scope, "length": length, "tasks": tasks}
+    options = _task_options(t, flags, option)
     cases = t.cases(split, limit, **options)  # checks the split, the options and the data before the model loads
     if not cases:
         given = {k: v for k, v in options.items() if v is not None}
@@ -456,7 +468,13 @@ def _eval_settings(t, model, policy, budget, policy_config, table, split, max_ne
 
 
 # the task options with a flag of their own on `pask eval` (any other: --option KEY=VALUE)
-TASK_FLAGS = {"categories": "--categories", "data_dir": "--data-dir", "sql_scope": "--sql-scope"}
+TASK_FLAGS = {
+    "categories": "--categories",
+    "data_dir": "--data-dir",
+    "sql_scope": "--sql-scope",
+    "length": "--length",
+    "tasks": "--tasks",
+}
 
 
 def _task_options(task, flags: dict, option: list[str] | None) -> dict:

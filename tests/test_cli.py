@@ -152,7 +152,12 @@ def test_eval_task_runs(tmp_path, task, extra, header, record):
         (["eval", "bfcl", "--data-dir", "."], "--data-dir is not an option of task bfcl (it takes: --categories)"),
         (["eval", "bfcl", "--option", "colour=red"], "task bfcl has no option 'colour'"),
         (["eval", "bfcl", "--option", "categories=simple", "--categories", "simple"], "given twice"),
-        (["eval", "nosuchtask"], "unknown task 'nosuchtask'; known tasks: bfcl, sql"),
+        (["eval", "nosuchtask"], "unknown task 'nosuchtask'; known tasks: bfcl, ruler, sql"),
+        (["eval", "ruler", "--tasks", "nope"], "unknown ruler sub-task(s) nope; known: niah_single, niah_multikey,"),
+        (["eval", "ruler", "--length", "100"], "ruler length must be an integer number of tokens in [256, 131072]"),
+        (["eval", "ruler", "--option", "answer_format=xml"], "ruler answer_format must be one of auto, text, json"),
+        (["eval", "bfcl", "--length", "4096"], "--length is not an option of task bfcl"),
+        (["eval", "sql", "--tasks", "vt"], "--tasks is not an option of task sql"),
         (["eval", "bfcl", "--limit", "0"], "--limit must be >= 1, got 0"),
         (["eval", "sql", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
         (["eval", "sql", "--budget", "nan", "--policy", "h2o"], "--budget must be in (0, 1], got nan"),
@@ -230,4 +235,4 @@ def test_calibrate_task_errors(tmp_path):
     res = _run("calibrate", "--task", "sql", "--categories", "simple", "--out", out)
     assert res.exit_code == 2 and "no categories" in res.output
     res = _run("calibrate", "--task", "magic", "--out", out)
-    assert res.exit_code == 2 and "bfcl, sql" in res.output
+    assert res.exit_code == 2 and "bfcl, ruler, sql" in res.output

@@ -88,7 +88,7 @@ def test_registry_names_and_defaults(parity):
     assert {"bfcl", "sql", "parity"} <= set(task_names()) and get_task("parity") is parity
     assert get_task("bfcl").default_max_new_tokens == 384 and get_task("sql").default_max_new_tokens == 256
     assert get_task("sql").score_key == "ex" and get_task("bfcl").splits == ("calibration", "dev", "test", "all")
-    with pytest.raises(PaskError, match="unknown task 'nosuchtask'; known tasks: bfcl, parity, sql"):
+    with pytest.raises(PaskError, match="unknown task 'nosuchtask'; known tasks: bfcl, parity, ruler, sql"):
         get_task("nosuchtask")
     with pytest.raises(TypeError):
         TASKS["x"] = object()

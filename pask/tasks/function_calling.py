@@ -364,7 +364,9 @@ def build_grammar(tools: list[dict], tokenizer=None, max_calls: int | None = Non
     if not tools:
         raise PaskError("a request needs at least one tool")
     schema = {"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 else call_schema(tools[0])
-    repeat = '("\\n" later)*' if max_calls is None else f'("\\n" later){{0,{max_calls - 1}}}'
+    if max_calls is not None and max_calls < 1:
+        raise PaskError(f"max_calls must be >= 1, got {max_calls}")
+    repeat = '("\\n" later)*' if max_calls is None else f'("\\n" later){{0,{max_calls - 1}}}' if max_calls > 1 else ""
     open_, close = marker(tokenizer, TOOL_CALL_OPEN), marker(tokenizer, TOOL_CALL_CLOSE)
     return "\n".join(
         [

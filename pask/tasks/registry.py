@@ -1,7 +1,7 @@
 """The task registry: every task ``pask eval``, sweeps and calibration know, by name.
 
 Built-in tasks are imported on first use (``bfcl``: BFCL function calling, ``sql``: Spider
-text-to-SQL), so importing the registry stays light. A new task plugs in with
+text-to-SQL, ``ruler``: RULER-style long-context tasks), so importing the registry stays light. A new task plugs in with
 :func:`register_task` (or ``TASKS[name] = task``); nothing else needs to change.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator, MutableMapping
 from pask.errors import PaskError
 from pask.tasks.base import Task
 
-_BUILTIN = {"bfcl": "pask.tasks.bfcl:BfclTask", "sql": "pask.tasks.sql:SqlTask"}
+_BUILTIN = {"bfcl": "pask.tasks.bfcl:BfclTask", "sql": "pask.tasks.sql:SqlTask", "ruler": "pask.tasks.ruler:RulerTask"}
 
 
 class TaskRegistry(MutableMapping[str, Task]):
