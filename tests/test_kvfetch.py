@@ -115,7 +115,7 @@ def test_successor_first_orders_by_distance_after_a_held_token():
 def test_pointer_fires_on_a_copy_and_fetches_exactly_the_cold_successors():
     tokens = prompt_tokens()
     head = [200, 201, 202]
-    run = Run(FetchPolicy(KeepSet(0.3, head), budget=0.3, slots=16, cold_share=0.4), tokens)
+    run = Run(FetchPolicy(KeepSet(0.3, head), budget=0.3, slots=16, cold_share=0.4, grace=2), tokens)
     for g in range(2):
         assert set(head) <= run.held(g)  # the inner policy keeps the span's head ...
         assert not set(range(203, 260)) <= run.held(g)  # ... and drops (demotes) its continuation
@@ -136,7 +136,17 @@ def test_pointer_fires_on_a_copy_and_fetches_exactly_the_cold_successors():
     for g in range(2):
         ix = run.cache.index(0, g)
         assert ix.fetched == {p for p in range(204, 220) if int(ix.cold_slot.t[p]) >= 0}
-    # the copy stops: the pointer is lost and every slot is released (cold copies stay)
+    # a separator the prompt does not have: the window is held (grace), and the next item just
+    # ahead re-syncs the pointer without a new fire
+    run.step(1023)
+    assert row.pointer == 203 and all(run.cache.index(0, g).fetched for g in range(2))
+    run.step(tokens[206])
+    assert row.pointer == 206 and run.policy.stats()["fires"] == 1
+    # the copy stops: after `grace` steps without a match the pointer is lost and every slot is
+    # released (cold copies stay)
+    for _ in range(2):
+        run.step(1023)
+        assert row.pointer == 206
     run.step(1023)
     assert row.pointer is None
     assert all(not run.cache.index(0, g).fetched for g in range(2))
@@ -203,6 +213,7 @@ def test_wraps_a_real_eviction_policy_and_passes_its_needs_through():
         {"cold_share": -0.1},
         {"cold_bits": 3},
         {"min_run": 0},
+        {"grace": -1},
         {"trigger": "attention"},
         {"budget": 1.5},
     ],

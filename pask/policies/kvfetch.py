@@ -12,7 +12,10 @@ SnapKV, H2O, CriticalKV, PASK, ...) and adds the channel the KVFetch abstract de
    candidate when the prompt token at ``p`` equals the last generated token; a candidate whose
    successor then matches the next generated token advances by one. The pointer fires at the
    candidate with the longest run once that run reaches ``min_run`` consecutive tokens (ties: the
-   latest position); it is lost when no candidate continues.
+   latest position). When no candidate continues, the window is held for ``grace`` steps, and a
+   candidate just ahead of the pointer (inside the window, any run) re-syncs it: the copy goes on
+   across a separator the output writes differently from the prompt (JSON quotes and commas
+   around an item that the prompt lists one per line). After that the pointer is lost.
 3. **Prefetch.** While the pointer is at ``p``, the cold tokens among ``p + 1 .. p + slots`` are
    fetched into the H tier (``FETCH``: dequantised to the model dtype), at most ``slots`` per
    layer group; fetched tokens outside that window go back out (``UNFETCH``, their cold copy stays).
@@ -64,7 +67,7 @@ from pask.structure.tags import TagClass
 R = int(Action.R)
 TRIGGERS = ("match", "grammar")
 #: the wrapper's own configuration keys (the rest of a configuration goes to the inner policy)
-FETCH_KEYS = ("slots", "cold_share", "cold_bits", "min_run", "trigger", "count_attended")
+FETCH_KEYS = ("slots", "cold_share", "cold_bits", "min_run", "grace", "trigger", "count_attended")
 
 
 @dataclass
@@ -80,6 +83,7 @@ class _Row:
     runs: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     seen: int = 0  # tokens of token_ids already fed to the pointer
     pointer: int | None = None
+    hold: int = 0  # steps the window is still held after the pointer stopped matching
     counts: dict[str, int] = field(
         default_factory=lambda: {"steps": 0, "active_steps": 0, "fires": 0, "fetched": 0, "attended": 0, "demoted": 0}
     )
@@ -131,7 +135,13 @@ def successor_first(cands: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
 
 
 def check_config(
-    slots: int = 32, cold_share: float = 0.5, cold_bits: int = 2, min_run: int = 3, trigger: str = "match", **_: Any
+    slots: int = 32,
+    cold_share: float = 0.5,
+    cold_bits: int = 2,
+    min_run: int = 3,
+    trigger: str = "match",
+    grace: int = 4,
+    **_: Any,
 ) -> None:
     """PaskError for a bad KVFetch option (see :class:`FetchPolicy`)."""
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
@@ -144,6 +154,8 @@ def check_config(
         raise PaskError(f"kvfetch: min_run must be an integer >= 1, got {min_run!r}")
     if trigger not in TRIGGERS:
         raise PaskError(f"kvfetch: trigger must be one of {', '.join(TRIGGERS)}, got {trigger!r}")
+    if isinstance(grace, bool) or not isinstance(grace, int) or grace < 0:
+        raise PaskError(f"kvfetch: grace must be an integer >= 0, got {grace!r}")
 
 
 @dataclass
@@ -165,6 +177,9 @@ class FetchPolicy(PolicyBase):
         Code width of the cold tier.
     min_run : int, default=3
         Consecutive matched tokens before the pointer fires.
+    grace : int, default=4
+        Steps the fetch window is held after the pointer stops matching; meanwhile a match just
+        ahead of it (inside the window, any run) re-syncs the pointer without a new fire.
     trigger : {"match", "grammar"}, default="match"
         ``grammar``: fire only inside a value the parser marks as free generation, after
         ``min(min_run, 2)`` matches (needs tags).
@@ -178,6 +193,7 @@ class FetchPolicy(PolicyBase):
     cold_share: float = 0.5
     cold_bits: int = 2
     min_run: int = 3
+    grace: int = 4
     trigger: str = "match"
     count_attended: bool = False
 
@@ -192,7 +208,7 @@ class FetchPolicy(PolicyBase):
             self.budget = self.inner.budget
         if self.budget is not None and not 0.0 < float(self.budget) <= 1.0:
             raise PaskError(f"kvfetch: budget must be in (0, 1], got {self.budget}")
-        check_config(self.slots, self.cold_share, self.cold_bits, self.min_run, self.trigger)
+        check_config(self.slots, self.cold_share, self.cold_bits, self.min_run, self.trigger, self.grace)
 
     # -- what the session computes for the wrapper: the inner policy's needs, plus tags / attention
     @property
@@ -320,24 +336,30 @@ class FetchPolicy(PolicyBase):
         return out
 
     def _move_pointer(self, ctx: SeqContext, row: _Row) -> None:
-        """Feed the newly generated tokens to the pointer; set or lose it."""
+        """Feed the newly generated tokens to the pointer; move, re-sync, hold or lose it."""
         for i in range(row.seen, len(ctx.token_ids)):
             row.cands, row.runs = advance(row.prompt, row.index, row.cands, row.runs, int(ctx.token_ids[i]))
         row.seen = len(ctx.token_ids)
-        need = self.min_run
+        allowed, need = True, self.min_run
         if self.trigger == "grammar":
-            in_value = bool(ctx.tags) and ctx.tags[-1].cls == TagClass.FREE_GENERATION
-            if not in_value:
-                row.pointer = None
-                return
+            allowed = bool(ctx.tags) and ctx.tags[-1].cls == TagClass.FREE_GENERATION
             need = min(self.min_run, 2)
         best = best_candidate(row.cands, row.runs)
-        if best is None or best[1] < need:
+        old = row.pointer
+        ahead = row.cands[(row.cands > old) & (row.cands <= old + self.slots)] if old is not None else row.cands[:0]
+        if allowed and best is not None and best[1] >= need:
+            new = best[0]
+        elif allowed and ahead.numel():
+            new = int(ahead.min())  # re-sync: the read goes on just ahead, inside the fetched window
+        elif old is not None and row.hold > 0:
+            row.hold -= 1  # hold the window for a few steps (a separator the prompt writes differently)
+            return
+        else:
             row.pointer = None
             return
-        if row.pointer is None or best[0] != row.pointer + 1:
+        if old is None or not old < new <= old + self.slots:
             row.counts["fires"] += 1
-        row.pointer = best[0]
+        row.pointer, row.hold = new, self.grace
 
     def _prefetch(self, ctx: SeqContext, row: _Row) -> list[ActionSpec]:
         """Slide each group's fetch slots to the cold tokens among the pointer's next ``slots``
