@@ -150,7 +150,8 @@ def _policy_builder(task: str, policy: str, budget: float | None, config: str | 
     def build(lm):
         from pask.policies.pask import make_pask_policy
 
-        pask = make_pask_policy(load_pask_table(table, task, lm.fingerprint, allow_transfer), budget)
+        frozen = load_pask_table(table, task, lm.fingerprint, allow_transfer)
+        pask = make_pask_policy(frozen, budget if fetch is None else None)  # fetch-pask: a hot-budget table
         if fetch is None:
             return pask
         from pask.policies.factory import make_fetch

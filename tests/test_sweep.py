@@ -212,7 +212,7 @@ def test_pask_3a_cells_take_their_own_three_action_table(tmp_path, fake):
     with pytest.raises(PaskError, match=r'"pask-3a@0\.2" = "FILE"'):
         parse_config(data, tmp_path)
     data["fake"]["tables"]["smollm2-135m"]["h2o@0.2"] = "t3.json"
-    with pytest.raises(PaskError, match="only pask-3a, pask-k4v2 take"):
+    with pytest.raises(PaskError, match="only pask-3a, pask-k4v2, fetch-pask take"):
         parse_config(data, tmp_path)
 
 
@@ -230,6 +230,34 @@ def test_pask_k4v2_cells_take_a_k4v2_table(tmp_path, fake):
     assert Path(cells["pask-k4v2"].table).name == "tk.json"
     data["fake"]["tables"]["smollm2-135m"]["pask-k4v2@0.2"] = "t2.json"
     with pytest.raises(PaskError, match="pask-k4v2 needs a K4V2 table"):
+        parse_config(data, tmp_path)
+
+
+def test_fetch_cells_wrap_their_inner_policy(tmp_path, fake):
+    """fetch-<baseline> builds KVFetch around the baseline (its own options in policy_config, the
+    rest to the baseline); fetch-pask reads "fetch-pask@<budget>" and takes only KVFetch's options."""
+    from pask.experiments.sweep import make_cell_policy
+    from pask.policies.kvfetch import FetchPolicy
+    from pask.policies.table import FrozenTable
+
+    FrozenTable(actions={"P|schema_scaffold|g0": "R"}, fingerprint="x", target_b=0.1).save(tmp_path / "tf.json")
+    data = fake_config(tmp_path, policies=["fetch-snapkv", "fetch-pask"], budgets=[0.2])
+    data["fake"] = {
+        "n": 4,
+        "tables": {"smollm2-135m": {"fetch-pask@0.2": "tf.json"}},
+        "policy_config": {"fetch-snapkv": {"window": 16, "slots": 8}, "fetch-pask": {"grace": 0}},
+    }
+    cells = {c.policy: c for c in parse_config(data, tmp_path).cells}
+    snap = make_cell_policy(cells["fetch-snapkv"], None)
+    assert isinstance(snap, FetchPolicy) and snap.slots == 8 and snap.inner.window == 16
+    pask = make_cell_policy(cells["fetch-pask"], None)
+    assert isinstance(pask, FetchPolicy) and pask.grace == 0 and pask.inner.name == "pask"
+    data["fake"]["policy_config"]["fetch-pask"] = {"window": 3}
+    with pytest.raises(PaskError, match="unknown KVFetch option"):
+        parse_config(data, tmp_path)
+    data["fake"]["policy_config"]["fetch-pask"] = {}
+    del data["fake"]["tables"]["smollm2-135m"]["fetch-pask@0.2"]
+    with pytest.raises(PaskError, match=r'"fetch-pask@0\.2" = "FILE"'):
         parse_config(data, tmp_path)
 
 

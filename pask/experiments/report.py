@@ -426,7 +426,7 @@ def _paired(base: CellResult, other: CellResult) -> tuple[int, int, float]:
     return a, b, sign_test_p(a, b)
 
 
-BASELINE_SKIP = {"full", "pask", "pask-3a", "pask-k4v2", "pask-prefill", "pask-decode"}
+BASELINE_SKIP = {"full", "pask", "pask-3a", "pask-k4v2", "pask-prefill", "pask-decode", "fetch-pask"}
 
 
 SAME_B = 0.01  # a baseline whose measured B exceeds the budget by more is not at the same budget

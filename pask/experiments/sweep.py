@@ -97,9 +97,11 @@ ABLATIONS = {
     "pask-decode": (False, True),
     "pask-3a": (True, True),
     "pask-k4v2": (True, True),
+    "fetch-pask": (True, True),  # KVFetch around PASK (policy_config: the wrapper's options)
 }
 #: PASK variants whose table is their own (key ``"<policy>@<budget>"``), not the ``pask`` table.
-OWN_TABLES = ("pask-3a", "pask-k4v2")
+#: ``fetch-pask``'s is a table fitted to the hot budget KVFetch leaves it (docs/kvfetch.md).
+OWN_TABLES = ("pask-3a", "pask-k4v2", "fetch-pask")
 DTYPES = ("bf16", "fp32")
 _PRODUCT_KEYS = ("models", "tasks", "splits", "policies", "budgets")
 _TOP_KEYS = {"results_dir", "dtype", "threads", "grid", *_PRODUCT_KEYS}
@@ -563,9 +565,17 @@ def _check_cell_policy(cell: Cell) -> None:
     if cell.policy in ABLATIONS:
         from pask.policies.pask import make_pask_policy
 
-        if cell.policy_config:
+        if cell.policy == "fetch-pask":
+            from pask.policies.kvfetch import FETCH_KEYS, check_config
+
+            if bad := sorted(set(cell.policy_config or {}) - set(FETCH_KEYS)):
+                known = ", ".join(FETCH_KEYS)
+                raise PaskError(f"cell {cell.name}: unknown KVFetch option(s) {', '.join(bad)} ({known})")
+            check_config(**(cell.policy_config or {}))
+        elif cell.policy_config:
             raise PaskError(f"cell {cell.name}: PASK takes its actions from the table, not from policy_config")
-        policy = make_pask_policy(cell.table, cell.budget, fingerprint=None)
+        # fetch-pask: the table is fitted to the hot budget KVFetch leaves, not to the cell's B
+        policy = make_pask_policy(cell.table, None if cell.policy == "fetch-pask" else cell.budget, fingerprint=None)
         if cell.policy == "pask-3a" and "L2" in policy.table.actions.values():
             raise PaskError(f"cell {cell.name}: pask-3a needs a three-action table; {cell.table} uses INT2 (L2)")
         if cell.policy == "pask-k4v2" and policy.table.l2_key_bits != 4:
@@ -582,14 +592,19 @@ def make_cell_policy(cell: Cell, lm):
         from pask.policies.pask import make_pask_policy
 
         prefill, decode = ABLATIONS[cell.policy]
-        return make_pask_policy(
+        policy = make_pask_policy(
             cell.table,
-            cell.budget,
+            None if cell.policy == "fetch-pask" else cell.budget,  # its table: fitted to the hot budget
             prefill=prefill,
             decode=decode,
             fingerprint=lm.fingerprint if lm is not None else None,
             allow_transfer=bool(cell.options.get("allow_transfer")),
         )
+        if cell.policy == "fetch-pask":
+            from pask.policies.factory import make_fetch
+
+            return make_fetch(cell.policy, cell.budget, dict(cell.policy_config or {}), cell.task, inner=policy)
+        return policy
     from pask.policies.factory import make_policy
 
     config = json.dumps(cell.policy_config) if cell.policy_config else None
@@ -833,7 +848,11 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
     run = {"started": _now(), "mode": mode, "cases_before": before, **run_provenance(version)}
     if "batching" in p.cell.options:
         run["batching"] = p.cell.options["batching"]
-    if p.cell.policy not in ABLATIONS and p.cell.policy != "full":  # what make_policy applies
+    if p.cell.policy.startswith("fetch-"):  # the wrapper's options and its inner policy's
+        from pask.policies.factory import fetch_params
+
+        run["policy_params"] = fetch_params(p.cell.policy, p.cell.budget, p.cell.policy_config, p.cell.task)
+    elif p.cell.policy not in ABLATIONS and p.cell.policy != "full":  # what make_policy applies
         from pask.policies.tuning import effective_config
 
         run["policy_params"] = effective_config(p.cell.policy, p.cell.budget, p.cell.policy_config, p.cell.task)

@@ -16,6 +16,15 @@ FETCH_PREFIX = "fetch-"
 FETCH_INNER = ("snapkv", "h2o", "criticalkv", "rocketkv", "lazyeviction", "pask")
 
 
+def fetch_params(name: str, budget: float, user: dict, task: str = "bfcl") -> dict:
+    """What ``fetch-<inner>`` runs with: the wrapper's options as given, and ``inner``: the inner
+    policy's effective configuration (tuned at ``budget`` under the rest of ``user``)."""
+    own = {k: v for k, v in (user or {}).items() if k in FETCH_KEYS}
+    rest = {k: v for k, v in (user or {}).items() if k not in FETCH_KEYS}
+    base = name.removeprefix(FETCH_PREFIX)
+    return {**own, "inner": rest if base == "pask" else effective_config(base, budget, rest, task)}
+
+
 def make_fetch(name: str, budget: float | None, user: dict, task: str = "bfcl", inner=None) -> FetchPolicy:
     """``fetch-<inner>``: the configuration's :data:`~pask.policies.kvfetch.FETCH_KEYS` go to the
     wrapper (its defaults otherwise), the rest to the inner policy, built at ``budget`` with its own

@@ -287,7 +287,8 @@ class FetchPolicy(PolicyBase):
         row = self._rows[ctx.seq]
         n = ctx.length
         cost = ctx.int2_cost if self.cold_bits == 2 else ctx.int4_cost
-        if self.budget is not None and getattr(self.inner, "budget", None) is not None:
+        budgeted = getattr(self.inner, "budget", None) is not None and not hasattr(self.inner, "table")  # not PASK
+        if self.budget is not None and budgeted:
             b = float(self.budget)
             # the cold share, unless the cold tier can take every release for less (then hot h
             # and cold (1 - h) c fill B: h = (B - c) / (1 - c))
