@@ -67,7 +67,7 @@ def test_cases_and_prompts_are_deterministic(ruler, smol_tokenizer):
     for x, y in zip(ruler.cases("dev", 3, tasks=[*SUBTASKS[:5], "copy"], length=4096), a[:15] + a[-3:], strict=True):
         assert (x.references, x.inserts, x.question) == (y.references, y.inserts, y.question)
     assert [c.variant for c in a if c.task == "copy"] == ["list", "code", "record"]
-    assert [c.answer_format for c in a if c.task == "copy"] == ["json", "text", "json"]  # auto
+    assert [c.answer_format for c in a if c.task == "copy"] == ["text", "text", "json"]  # auto
     assert {c.answer_format for c in a if c.task != "copy"} == {"text"}
 
 
@@ -163,8 +163,8 @@ def test_copy_scoring_recall_and_exact():
     assert score_case(code, Output(flat, "eos"))["score"] == 1.0 and not score_case(code, Output(flat, "eos"))["exact"]
     half = score_case(code, Output("\n".join(lines[: len(lines) // 2]), "length"))
     assert half["score"] == pytest.approx((len(lines) // 2) / len(lines), abs=1e-4) and half["exact"] is False
-    items = make_case("copy", "test", 0, 4096)
-    assert items.answer_format == "json"
+    items = make_case("copy", "test", 0, 4096, answer_format="json")
+    assert items.variant == "list" and items.answer_format == "json"
     text = _call(items, _reference_args(items))
     good = score_case(items, Output(text, "grammar", parse_answer(text)))
     assert (good["score"], good["exact"], good["valid"], good["correct"]) == (1.0, True, True, True)
@@ -298,7 +298,7 @@ def test_largest_fit_matches_brute_force(base, per_unit, target, limit):
 
 # -- end to end -----------------------------------------------------------------------------------------------
 def test_run_task_on_the_tiny_model(ruler, smol, tmp_path):
-    options = {"tasks": ["niah_single", "copy"], "length": 1024, "answer_format": "auto"}
+    options = {"tasks": ["niah_single", "copy"], "length": 1024, "answer_format": "json"}
     cases = ruler.cases("dev", 1, **options)
     meta = {"model": "smol", "policy": "full", "length": 1024}
     summary = run_task(ruler, smol, cases, tmp_path, 2, 12, None, None, meta, True, **options)

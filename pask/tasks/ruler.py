@@ -9,8 +9,8 @@ template included; default 8192, 4096 / 8192 / 16384 documented, any value in [2
 accepted; ``copy`` needs >= 1024) and ``answer_format``: ``text`` (free text continuing RULER's
 answer prefix), ``json`` (one call of a ``give_answer`` tool whose parameters are the answer's
 schema: a list of strings, or a copied record's fields; decoded under the tool-call grammar, with
-the JSON tagger and prompt labels) or ``auto`` (the default: JSON for the copied list and record,
-text for the rest). ``limit``: N cases per sub-task (default 25 test / 10 dev / 25 calibration).
+the JSON tagger and prompt labels) or ``auto`` (the default: JSON for a copied record, text for the
+rest, the copied list included). ``limit``: N cases per sub-task (default 25 test / 10 dev / 25 calibration).
 
 Scoring (RULER's ``string_match_all``): a case's ``score`` is the fraction of its reference strings
 found in the answer, case-insensitive (``copy``: verbatim, case-sensitive); ``correct``: all found.
