@@ -152,6 +152,32 @@ def test_pointer_fires_on_a_copy_and_fetches_exactly_the_cold_successors():
     assert all(not run.cache.index(0, g).fetched for g in range(2))
 
 
+class Ranked(KeepSet):
+    """KeepSet with a ranking of its own: the cold tier admits its next best first."""
+
+    def ranking(self, ctx):
+        pr = -torch.arange(ctx.prompt_len, dtype=torch.float64) / ctx.prompt_len
+        pr[self.favour] += 10.0
+        pr[300:320] += 5.0  # just below the kept set
+        return with_generated(pr.expand(ctx.num_groups, -1).clone(), ctx.length)
+
+
+def test_cold_admission_by_the_inner_ranking_or_by_position():
+    tokens = prompt_tokens()
+    # room for 20 cold tokens: 0.1 * 0.3 * 400 / c (c = the fp32 cache's INT2 cost)
+    c = CostModel(D, 32, torch.float32).l2_ratio
+    share = 20.5 * c / (0.3 * P)
+    run = Run(FetchPolicy(Ranked(0.3, [200, 201, 202]), budget=0.3, cold_share=share), tokens)
+    ix = run.cache.index(0, 0)
+    cold = set(torch.nonzero(ix.cold_slot.t[:P] >= 0).squeeze(1).tolist())
+    assert cold == set(range(300, 320))  # the next best by the ranking
+    run = Run(FetchPolicy(Ranked(0.3, [200, 201, 202]), budget=0.3, cold_share=share, admit="successor"), tokens)
+    ix = run.cache.index(0, 0)
+    cold = set(torch.nonzero(ix.cold_slot.t[:P] >= 0).squeeze(1).tolist())
+    held = run.held(0)
+    assert len(cold) == 20 and all(p - 1 in held or p - 1 in cold for p in cold)  # runs right after kept tokens
+
+
 def test_pointer_stays_dormant_on_text_that_is_not_a_copy():
     tokens = prompt_tokens()
     run = Run(FetchPolicy(KeepSet(0.3, [200, 201]), budget=0.3, slots=16, cold_share=0.4), tokens)
@@ -214,6 +240,7 @@ def test_wraps_a_real_eviction_policy_and_passes_its_needs_through():
         {"cold_bits": 3},
         {"min_run": 0},
         {"grace": -1},
+        {"admit": "random"},
         {"trigger": "attention"},
         {"budget": 1.5},
     ],

@@ -226,6 +226,11 @@ class PromptRanked(PolicyBase):
         pr = with_generated(self._prio[ctx.seq], ctx.length)
         return release_to_count(ctx, pr, keep_count(self.budget, ctx.length))
 
+    def ranking(self, ctx: SeqContext) -> torch.Tensor | None:
+        """The prefill ranking (generated tokens above it), or None before the row's prefill."""
+        prio = self._prio.get(ctx.seq)
+        return None if prio is None else with_generated(prio, ctx.length)
+
 
 class AttentionAccumulating(PolicyBase):
     """Mixin of the policies that rank by accumulated attention (H2O's heavy hitters).

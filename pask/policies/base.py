@@ -114,6 +114,12 @@ class Policy(Protocol):
         """Forget the per-sequence state of row ``seq`` (a no-op for stateless policies)."""
         ...
 
+    def ranking(self, ctx: SeqContext) -> torch.Tensor | None:
+        """The policy's keep priority of every position ``[G, >= ctx.length]`` (higher kept first) for
+        the row of ``ctx``, as its last decision used it; ``None``: it ranks nothing (KVFetch then
+        admits released tokens to its cold tier by position)."""
+        ...
+
     def report(self, seq: int) -> dict:
         """Counters the policy kept for row ``seq``'s request (``{}``: none); the decode core calls it
         when the request finishes, before :meth:`reset`, and records them in its budget as ``policy``."""
@@ -155,6 +161,11 @@ class PolicyBase:
     def reset(self, seq: int) -> None:
         """Forget the per-sequence state of row ``seq``: nothing to forget here."""
         del seq
+
+    def ranking(self, ctx: SeqContext) -> torch.Tensor | None:
+        """No ranking."""
+        del ctx
+        return None
 
     def report(self, seq: int) -> dict:
         """No counters."""

@@ -75,6 +75,11 @@ class H2OPolicy(AttentionAccumulating):
         pr[:, pos < self.sink] = 2 * BIG - pos[pos < self.sink]
         return pr
 
+    def ranking(self, ctx: SeqContext) -> torch.Tensor | None:
+        """The heavy-hitter priority of the row (None before its prefill)."""
+        acc = self._acc.get(ctx.seq)
+        return None if acc is None else self.priority(acc, ctx)
+
     def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
         pr = self.priority(self._acc[ctx.seq], ctx)
         return release_to_count(ctx, pr, keep_count(self.budget, ctx.length))

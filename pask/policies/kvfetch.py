@@ -34,10 +34,12 @@ Choices the abstract leaves open (documented in docs/kvfetch.md):
   B (below it by the unused slots while active), and attention reads no more tokens than the inner
   policy would at B. An inner policy without a budget of its own (PASK's frozen tables) keeps its
   table: give it one fitted to the lower budget.
-* **Which evicted tokens go cold.** When the cold tier cannot take every released token, the
-  released tokens nearest *after* a token the inner policy keeps go first (the continuation of a
-  kept head is what a copy needs next); ties: earlier position. The rest are released. The cold
-  tier never drops a token once admitted (its capacity only grows with ``n``).
+* **Which evicted tokens go cold.** When the cold tier cannot take every released token, the inner
+  policy's next best by its own ranking go first (``admit="score"``: the candidates it evicted with
+  the highest scores, e.g. SnapKV's window votes); a policy without a ranking (PASK), or
+  ``admit="successor"``, admits the released tokens nearest *after* a kept token first (the
+  continuation of a kept head). Ties: earlier position. The rest are released. The cold tier never
+  drops a token once admitted (its capacity only grows with ``n``).
 * **Detection.** Token match only (no attention statistics: the dormant channel costs a dictionary
   lookup and a few small tensor operations per step). Only prompt positions are candidates.
 * **Grammar trigger** (``trigger="grammar"``): under a grammar the parser knows when the model writes
@@ -67,7 +69,8 @@ from pask.structure.tags import TagClass
 R = int(Action.R)
 TRIGGERS = ("match", "grammar")
 #: the wrapper's own configuration keys (the rest of a configuration goes to the inner policy)
-FETCH_KEYS = ("slots", "cold_share", "cold_bits", "min_run", "grace", "trigger", "count_attended")
+FETCH_KEYS = ("slots", "cold_share", "cold_bits", "min_run", "grace", "trigger", "admit", "count_attended")
+ADMITS = ("score", "successor")
 
 
 @dataclass
@@ -141,6 +144,7 @@ def check_config(
     min_run: int = 3,
     trigger: str = "match",
     grace: int = 4,
+    admit: str = "score",
     **_: Any,
 ) -> None:
     """PaskError for a bad KVFetch option (see :class:`FetchPolicy`)."""
@@ -156,6 +160,8 @@ def check_config(
         raise PaskError(f"kvfetch: trigger must be one of {', '.join(TRIGGERS)}, got {trigger!r}")
     if isinstance(grace, bool) or not isinstance(grace, int) or grace < 0:
         raise PaskError(f"kvfetch: grace must be an integer >= 0, got {grace!r}")
+    if admit not in ADMITS:
+        raise PaskError(f"kvfetch: admit must be one of {', '.join(ADMITS)}, got {admit!r}")
 
 
 @dataclass
@@ -180,6 +186,10 @@ class FetchPolicy(PolicyBase):
     grace : int, default=4
         Steps the fetch window is held after the pointer stops matching; meanwhile a match just
         ahead of it (inside the window, any run) re-syncs the pointer without a new fire.
+    admit : {"score", "successor"}, default="score"
+        Which released tokens the cold tier takes when it cannot take all: the inner policy's next
+        best by its own ranking (:meth:`~pask.policies.base.Policy.ranking`), or those nearest after
+        a kept token (also the fallback for a policy without a ranking: PASK).
     trigger : {"match", "grammar"}, default="match"
         ``grammar``: fire only inside a value the parser marks as free generation, after
         ``min(min_run, 2)`` matches (needs tags).
@@ -195,6 +205,7 @@ class FetchPolicy(PolicyBase):
     min_run: int = 3
     grace: int = 4
     trigger: str = "match"
+    admit: str = "score"
     count_attended: bool = False
 
     _rows: dict = field(default_factory=dict, init=False, repr=False)
@@ -208,7 +219,7 @@ class FetchPolicy(PolicyBase):
             self.budget = self.inner.budget
         if self.budget is not None and not 0.0 < float(self.budget) <= 1.0:
             raise PaskError(f"kvfetch: budget must be in (0, 1], got {self.budget}")
-        check_config(self.slots, self.cold_share, self.cold_bits, self.min_run, self.trigger, self.grace)
+        check_config(self.slots, self.cold_share, self.cold_bits, self.min_run, self.trigger, self.grace, self.admit)
 
     # -- what the session computes for the wrapper: the inner policy's needs, plus tags / attention
     @property
@@ -319,13 +330,18 @@ class FetchPolicy(PolicyBase):
                 now[g, released[g][-1]] = R
             else:
                 out.append((g, pos, action))
+        rank = self.inner.ranking(inner_ctx) if self.admit == "score" else None
         for g, parts in released.items():
             if not parts:
                 continue
-            cands = torch.cat(parts)
+            cands = torch.sort(torch.cat(parts)).values
             room = max(0, capacity - len(row.cold[g]))
             if room:
-                ranked = successor_first(cands, now[g, :n] != R)
+                if rank is not None:  # the inner policy's next best first (ties: earlier position)
+                    order = torch.argsort(rank[g, cands], descending=True, stable=True)
+                    ranked = cands[order]
+                else:
+                    ranked = successor_first(cands, now[g, :n] != R)
                 admit, rest = torch.sort(ranked[:room]).values, torch.sort(ranked[room:]).values
                 out.append((g, admit, ColdOp.DEMOTE))
                 row.cold[g].update(admit.tolist())
