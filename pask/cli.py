@@ -130,20 +130,9 @@ def _policy_builder(task: str, policy: str, budget: float | None, config: str | 
         raise PaskError(f"--policy {policy} needs --table FILE (made by `pask calibrate --task {task}`)")
     fetch = None
     if policy == "fetch-pask":  # KVFetch around PASK: the configuration is the wrapper's
-        from pask.policies.kvfetch import FETCH_KEYS, check_config
+        from pask.policies.factory import fetch_pask_options
 
-        try:
-            fetch = json.loads(config) if config else {}
-        except json.JSONDecodeError as e:
-            raise PaskError(f"--policy-config is not valid JSON: {e}") from None
-        if not isinstance(fetch, dict):
-            raise PaskError("--policy-config must be a JSON object")
-        if bad := sorted(set(fetch) - set(FETCH_KEYS)):
-            raise PaskError(
-                f"--policy-config of fetch-pask: unknown option(s) {', '.join(bad)} "
-                f"(KVFetch's options: {', '.join(FETCH_KEYS)}; PASK's come from --table)"
-            )
-        check_config(**fetch)  # before the model loads
+        fetch = fetch_pask_options(config)  # checked before the model loads
     elif config is not None:
         raise PaskError("--policy pask takes its configuration from --table, not --policy-config")
 

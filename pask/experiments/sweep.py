@@ -566,12 +566,12 @@ def _check_cell_policy(cell: Cell) -> None:
         from pask.policies.pask import make_pask_policy
 
         if cell.policy == "fetch-pask":
-            from pask.policies.kvfetch import FETCH_KEYS, check_config
+            from pask.policies.factory import fetch_pask_options
 
-            if bad := sorted(set(cell.policy_config or {}) - set(FETCH_KEYS)):
-                known = ", ".join(FETCH_KEYS)
-                raise PaskError(f"cell {cell.name}: unknown KVFetch option(s) {', '.join(bad)} ({known})")
-            check_config(**(cell.policy_config or {}))
+            try:
+                fetch_pask_options(json.dumps(cell.policy_config or {}))
+            except PaskError as e:
+                raise PaskError(f"cell {cell.name}: {e}") from None
         elif cell.policy_config:
             raise PaskError(f"cell {cell.name}: PASK takes its actions from the table, not from policy_config")
         # fetch-pask: the table is fitted to the hot budget KVFetch leaves, not to the cell's B

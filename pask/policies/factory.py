@@ -57,6 +57,31 @@ def make_fetch(name: str, budget: float | None, user: dict, task: str = "bfcl", 
         raise PaskError(f"bad configuration for policy '{name}': {e}") from None
 
 
+def parse_policy_config(config: str | None) -> dict:
+    """A ``--policy-config`` JSON text as a dict (``{}`` for none); PaskError otherwise."""
+    try:
+        user = json.loads(config) if config else {}
+    except json.JSONDecodeError as e:
+        raise PaskError(f"--policy-config is not valid JSON: {e}") from None
+    if not isinstance(user, dict):
+        raise PaskError("--policy-config must be a JSON object")
+    return user
+
+
+def fetch_pask_options(config: str | None) -> dict:
+    """``fetch-pask``'s ``--policy-config``: KVFetch's options only (PASK's come from its table), checked."""
+    from pask.policies.kvfetch import check_config
+
+    user = parse_policy_config(config)
+    if bad := sorted(set(user) - set(FETCH_KEYS)):
+        raise PaskError(
+            f"--policy-config of fetch-pask: unknown option(s) {', '.join(bad)} "
+            f"(KVFetch's options: {', '.join(FETCH_KEYS)}; PASK's come from --table)"
+        )
+    check_config(**user)
+    return user
+
+
 def make_policy(name: str, budget: float | None, config: str | None = None, task: str = "bfcl"):
     """The policy object for a name; ``full`` is Full KV on DynamicCache (None).
 
@@ -66,12 +91,7 @@ def make_policy(name: str, budget: float | None, config: str | None = None, task
     no ``config``, raises :class:`PaskError` unless ``PASK_ALLOW_UNTUNED=1``
     (:func:`pask.policies.tuning.effective_config`).
     """
-    try:
-        user = json.loads(config) if config else {}
-    except json.JSONDecodeError as e:
-        raise PaskError(f"--policy-config is not valid JSON: {e}") from None
-    if not isinstance(user, dict):
-        raise PaskError("--policy-config must be a JSON object")
+    user = parse_policy_config(config)
     if name == "full":
         if budget not in (None, 1.0) or user:
             raise PaskError("policy 'full' keeps every token (B = 1) and takes no configuration")
