@@ -345,3 +345,31 @@ def test_report_says_when_cells_mix_code_versions(tmp_path):
     make_cell(one, "bfcl", "pask", 0.2, 0.2, [1, 1, 1, 1])
     assert "Every cell: code version ? , native kernels ?." not in markdown(collect(one))
     assert "Every cell: code version ?, native kernels ?." in markdown(collect(one))
+
+
+def test_ruler_cells_report_the_recall_score_per_sub_task(tmp_path):
+    """A task's own score (Task.score_key): RULER's recall score, not the share of all-correct cases."""
+    root = tmp_path / "results"
+    for policy, budget, score, acc in (
+        ("full", None, 71.8, 50.0),
+        ("snapkv", 0.2, 8.3, 0.0),
+        ("fetch-snapkv", 0.2, 12.6, 0.0),
+    ):
+        cell = root / MODEL / "ruler" / "test" / f"{policy}-b{'1' if budget is None else f'{budget:g}'}"
+        cell.mkdir(parents=True)
+        per = {"niah_single": {"n": 2, "correct": 1, "score": score, "accuracy": acc}}
+        summary = {
+            "tasks": per,
+            "overall": {"n": 2, "correct": 1, "score": score, "accuracy": acc},
+            "measured_b": budget or 1.0,
+        }
+        (cell / "summary.json").write_text(json.dumps(summary))
+        man = {
+            "cell": {"model": MODEL, "task": "ruler", "split": "test", "policy": policy, "budget": budget},
+            "status": "done",
+        }
+        (cell / "cell.json").write_text(json.dumps(man))
+    cells = {c.policy: c for c in collect(root)}
+    assert cells["fetch-snapkv"].accuracy == 12.6 and cells["snapkv"].groups == {"niah_single": 8.3}
+    md = markdown(list(cells.values()))
+    assert "RULER-style long context" in md and "SnapKV + KVFetch" in md and "12.60" in md

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from pask.errors import PaskError
 from pask.evaluation.case_rows import read_done
+from pask.tasks import TASKS
 from pask.tasks.bfcl_checker import CATEGORIES
 from pask.tasks.spider_hardness import LEVELS
 
@@ -150,13 +151,16 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _scores(summary: dict, path: Path) -> tuple[float | None, int, dict, dict]:
+def _scores(summary: dict, path: Path, task: str = "") -> tuple[float | None, int, dict, dict]:
+    """(score, n, score per group, n per group): the task's own score (``Task.score_key``: BFCL
+    accuracy, SQL EX, RULER's recall score), per category / difficulty / sub-task."""
     overall = summary.get("overall")
     if not isinstance(overall, dict) or "n" not in overall:
         raise PaskError(f"{path}: summary without an 'overall' record")
-    acc = overall.get("accuracy", overall.get("ex"))
-    per = summary.get("categories") or summary.get("difficulties") or {}
-    groups = {g: v.get("accuracy", v.get("ex")) for g, v in per.items()}
+    key = TASKS[task].score_key if task in TASKS else "accuracy"
+    acc = overall.get(key, overall.get("accuracy", overall.get("ex")))
+    per = summary.get("categories") or summary.get("difficulties") or summary.get("tasks") or {}
+    groups = {g: v.get(key, v.get("accuracy", v.get("ex"))) for g, v in per.items() if isinstance(v, dict)}
     return acc, int(overall["n"]), groups, {g: int(v.get("n", 0)) for g, v in per.items()}
 
 
@@ -181,7 +185,7 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         task = run.get("task") or ("sql" if "difficulties" in summary else "bfcl")
     if policy == "full":
         budget = None
-    acc, n, groups, group_n = _scores(summary, summary_path)
+    acc, n, groups, group_n = _scores(summary, summary_path, str(task))
     status, expected, version, machine = "done", None, "", ""
     if manifest:
         status = "done" if manifest.get("status") == "done" else "running"
@@ -261,11 +265,11 @@ def _head(cells: list[str], right_from: int = 1) -> list[str]:
     return [_row(cells), "|" + "|".join("---" if i < right_from else "---:" for i in range(len(cells))) + "|"]
 
 
-TASK_NAMES = {"bfcl": "BFCL", "sql": "Text-to-SQL"}
+TASK_NAMES = {"bfcl": "BFCL", "sql": "Text-to-SQL", "ruler": "RULER-style long context"}
 
 
 def _metric(task: str) -> str:
-    return "EX (%)" if task == "sql" else "accuracy (%)"
+    return {"sql": "EX (%)", "ruler": "score (%, RULER's string-match recall)"}.get(task, "accuracy (%)")
 
 
 def _task(task: str) -> str:
