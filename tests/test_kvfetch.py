@@ -167,11 +167,11 @@ def test_cold_admission_by_the_inner_ranking_or_by_position():
     # room for 20 cold tokens: 0.1 * 0.3 * 400 / c (c = the fp32 cache's INT2 cost)
     c = CostModel(D, 32, torch.float32).l2_ratio
     share = 20.5 * c / (0.3 * P)
-    run = Run(FetchPolicy(Ranked(0.3, [200, 201, 202]), budget=0.3, cold_share=share), tokens)
+    run = Run(FetchPolicy(Ranked(0.3, [200, 201, 202]), budget=0.3, cold_share=share, admit="score"), tokens)
     ix = run.cache.index(0, 0)
     cold = set(torch.nonzero(ix.cold_slot.t[:P] >= 0).squeeze(1).tolist())
     assert cold == set(range(300, 320))  # the next best by the ranking
-    run = Run(FetchPolicy(Ranked(0.3, [200, 201, 202]), budget=0.3, cold_share=share, admit="successor"), tokens)
+    run = Run(FetchPolicy(Ranked(0.3, [200, 201, 202]), budget=0.3, cold_share=share), tokens)  # default
     ix = run.cache.index(0, 0)
     cold = set(torch.nonzero(ix.cold_slot.t[:P] >= 0).squeeze(1).tolist())
     held = run.held(0)

@@ -253,7 +253,7 @@ def test_fetch_cells_wrap_their_inner_policy(tmp_path, fake):
     pask = make_cell_policy(cells["fetch-pask"], None)
     assert isinstance(pask, FetchPolicy) and pask.grace == 0 and pask.inner.name == "pask"
     data["fake"]["policy_config"]["fetch-pask"] = {"window": 3}
-    with pytest.raises(PaskError, match="unknown option\(s\) window"):
+    with pytest.raises(PaskError, match=r"unknown option\(s\) window"):
         parse_config(data, tmp_path)
     data["fake"]["policy_config"]["fetch-pask"] = {}
     del data["fake"]["tables"]["smollm2-135m"]["fetch-pask@0.2"]

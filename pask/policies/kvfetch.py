@@ -34,12 +34,15 @@ Choices the abstract leaves open (documented in docs/kvfetch.md):
   B (below it by the unused slots while active), and attention reads no more tokens than the inner
   policy would at B. An inner policy without a budget of its own (PASK's frozen tables) keeps its
   table: give it one fitted to the lower budget.
-* **Which evicted tokens go cold.** When the cold tier cannot take every released token, the inner
-  policy's next best by its own ranking go first (``admit="score"``: the candidates it evicted with
-  the highest scores, e.g. SnapKV's window votes); a policy without a ranking (PASK), or
-  ``admit="successor"``, admits the released tokens nearest *after* a kept token first (the
-  continuation of a kept head). Ties: earlier position. The rest are released. The cold tier never
-  drops a token once admitted (its capacity only grows with ``n``).
+* **Which evicted tokens go cold.** When the cold tier cannot take every released token, the
+  released tokens nearest *after* a kept token go first (``admit="successor"``, the default: the
+  continuation of a kept head is what a copy needs next); ``admit="score"`` takes the inner policy's
+  next best by its own ranking instead (SnapKV's window votes; a policy without a ranking falls back
+  to successor). Ties: earlier position. The rest are released. The cold tier never drops a token
+  once admitted (its capacity only grows with ``n``). On a teacher-forced dev copy (RULER list,
+  1024 tokens, SnapKV at B 0.2) successor admission let the model take 60.5 % of the copied tokens
+  against 40.4 % for score admission and 26.4 % for SnapKV alone
+  (``benchmarks/kvfetch_copy_probe.py``).
 * **Detection.** Token match only (no attention statistics: the dormant channel costs a dictionary
   lookup and a few small tensor operations per step). Only prompt positions are candidates.
 * **Grammar trigger** (``trigger="grammar"``): under a grammar the parser knows when the model writes
@@ -144,7 +147,7 @@ def check_config(
     min_run: int = 3,
     trigger: str = "match",
     grace: int = 4,
-    admit: str = "score",
+    admit: str = "successor",
     **_: Any,
 ) -> None:
     """PaskError for a bad KVFetch option (see :class:`FetchPolicy`)."""
@@ -186,10 +189,10 @@ class FetchPolicy(PolicyBase):
     grace : int, default=4
         Steps the fetch window is held after the pointer stops matching; meanwhile a match just
         ahead of it (inside the window, any run) re-syncs the pointer without a new fire.
-    admit : {"score", "successor"}, default="score"
-        Which released tokens the cold tier takes when it cannot take all: the inner policy's next
-        best by its own ranking (:meth:`~pask.policies.base.Policy.ranking`), or those nearest after
-        a kept token (also the fallback for a policy without a ranking: PASK).
+    admit : {"successor", "score"}, default="successor"
+        Which released tokens the cold tier takes when it cannot take all: those nearest after a
+        kept token, or the inner policy's next best by its own ranking
+        (:meth:`~pask.policies.base.Policy.ranking`; a policy without one falls back to successor).
     trigger : {"match", "grammar"}, default="match"
         ``grammar``: fire only inside a value the parser marks as free generation, after
         ``min(min_run, 2)`` matches (needs tags).
@@ -205,7 +208,7 @@ class FetchPolicy(PolicyBase):
     min_run: int = 3
     grace: int = 4
     trigger: str = "match"
-    admit: str = "score"
+    admit: str = "successor"
     count_attended: bool = False
 
     _rows: dict = field(default_factory=dict, init=False, repr=False)
