@@ -327,3 +327,19 @@ def test_reports_name_and_order_fetch_cells_after_their_inner_policy():
     _check_policy("fetch-h2o")
     with pytest.raises(PaskError, match="unknown policy"):
         _check_policy("fetch-kivi-2")
+
+
+def test_rows_of_a_batch_keep_their_own_channel():
+    """One FetchPolicy over two rows (the decode core numbers them): the copying row fires, the other
+    stays dormant, and each row's counters land in its own result."""
+    from pask.runtime.runner import decode_with_policy
+
+    model = tiny_llama()
+    a, b = prompt_tokens(0), prompt_tokens(1)
+    steps = 12
+    scripts = {0: iter(a[SPAN.start : SPAN.start + steps]), 1: iter([1000 + i for i in range(steps)])}
+    fetch = FetchPolicy(SnapKVPolicy(0.3, window=16), slots=16, cold_share=0.5)
+    decode_with_policy(model, [a, b], fetch, steps, CacheConfig(), lambda row, logits: next(scripts[row]))
+    assert fetch.stats(0)["fires"] >= 1 and fetch.stats(0)["fetched"] > 0
+    assert fetch.stats(1)["fires"] == 0 and fetch.stats(1)["fetched"] == 0
+    assert fetch.totals["steps"] == fetch.stats(0)["steps"] + fetch.stats(1)["steps"]
