@@ -373,3 +373,29 @@ def test_ruler_cells_report_the_recall_score_per_sub_task(tmp_path):
     assert cells["fetch-snapkv"].accuracy == 12.6 and cells["snapkv"].groups == {"niah_single": 8.3}
     md = markdown(list(cells.values()))
     assert "RULER-style long context" in md and "SnapKV + KVFetch" in md and "12.60" in md
+
+
+def test_kvfetch_table_pairs_each_fetch_cell_with_its_inner_policy(tmp_path):
+    root = tmp_path / "results"
+    make_cell(root, "bfcl", "full", None, 1.0, [8, 7, 4, 3])
+    make_cell(root, "bfcl", "snapkv", 0.33, 0.33, [5, 5, 1, 1], outcomes=[False] * 30 + [True] * 10)
+    cell = make_cell(
+        root, "bfcl", "fetch-snapkv", 0.33, 0.328, [6, 6, 2, 1], outcomes=[True] * 5 + [False] * 25 + [True] * 10
+    )
+    rows = [json.loads(x) for x in (cell / "cases.jsonl").read_text().splitlines()[:-1]]
+    for i, r in enumerate(rows):
+        fires = 2 if i < 10 else 0
+        r["budget"] = {
+            "policy": {
+                "kvfetch": {"steps": 10, "active_steps": 5 if fires else 0, "fires": fires, "fetched": 16 * fires}
+            }
+        }
+    (cell / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = markdown(collect(root))
+    lines = table(md, "KVFetch: each eviction policy")
+    row = next(x for x in lines if "SnapKV + KVFetch" in x)
+    # 5 cases only right with fetch, none only right without; 10 of 40 fired, 0.5 fires and 8 tokens per case
+    assert (
+        "| +7.50 |" in row and "5 : 0, p = 0.062" in row and "10 / 40" in row and "| 0.5 |" in row and "| 8.0 |" in row
+    )
+    assert "12.5 %" in row  # 50 of 400 steps had the pointer set

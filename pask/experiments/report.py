@@ -107,6 +107,7 @@ class CellResult:
     version: str = ""  # the code version that made the cell (commit, "-dirty"), from its cell.json
     machine: str = ""  # the CPU it ran on (ISA of the native kernels), from its cell.json
     gold_empty: int | None = None  # SQL: how many gold queries return no rows
+    channel: dict = field(default_factory=dict, repr=False)  # KVFetch counters summed over the cases
 
     @property
     def method(self) -> str:
@@ -208,6 +209,7 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         b_prompt=summary.get("measured_b_prompt"),
         b_decode=summary.get("measured_b_decode"),
         outcomes=_outcomes(cell_dir / "cases.jsonl"),
+        channel=_channel(cell_dir / "cases.jsonl") if str(policy).startswith("fetch-") else {},
         accuracy_nonempty=summary["overall"].get("ex_nonempty_gold"),
         gold_empty=summary["overall"].get("gold_empty"),
         version=version,
@@ -230,6 +232,66 @@ def _outcomes(jsonl: Path) -> dict[str, bool]:
     """Case id -> correct, from a cell's per-case rows (empty when there are none)."""
     rows = read_done(jsonl, key=lambda r: r.get("id") if isinstance(r, dict) else None)
     return {str(i): bool(r["correct"]) for i, r in rows.items() if i is not None and "correct" in r}
+
+
+def _channel(jsonl: Path) -> dict:
+    """KVFetch's counters (``budget.policy.kvfetch`` of each row) summed over a cell's cases, with
+    ``cases`` (rows that have them) and ``fired_cases`` (rows whose pointer fired)."""
+    out: dict = {}
+    for row in read_done(jsonl, key=lambda r: r.get("id") if isinstance(r, dict) else None).values():
+        counts = ((row.get("budget") or {}).get("policy") or {}).get("kvfetch")
+        if not isinstance(counts, dict):
+            continue
+        out["cases"] = out.get("cases", 0) + 1
+        out["fired_cases"] = out.get("fired_cases", 0) + int(counts.get("fires", 0) > 0)
+        for k, v in counts.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def table_fetch(cells: list[CellResult]) -> list[str]:
+    """Each ``fetch-<inner>`` cell against its inner policy at the same budget (paired), and how its
+    channel worked: cases where the pointer fired, fires, fetched and attended tokens per case,
+    share of steps with the pointer set."""
+    rows = []
+    for c in sorted((c for c in cells if c.policy.startswith("fetch-")), key=lambda c: (c.budget or 1, c.policy)):
+        inner = _at(cells, c.policy.removeprefix("fetch-"), c.budget)
+        ch, n = c.channel, max(c.channel.get("cases", 0), 1)
+        base = "–" if inner is None else f"{_fmt(inner.accuracy)} ({inner.measured_b:.3f})"
+        delta = (
+            "–"
+            if inner is None or inner.accuracy is None or c.accuracy is None
+            else f"{c.accuracy - inner.accuracy:+.2f}"
+        )
+        paired = "–"
+        if inner is not None and set(inner.outcomes) & set(c.outcomes):
+            a, b, p = _paired(c, inner)
+            paired = f"{a} : {b}, p {_p(p)}" if _p(p).startswith("<") else f"{a} : {b}, p = {_p(p)}"
+        active = ch.get("active_steps", 0) / max(ch.get("steps", 0), 1)
+        rows.append(
+            f"| {c.budget:g} | {c.method} | {base} | {_fmt(c.accuracy)} ({c.measured_b:.3f}) | {delta} | {paired} "
+            f"| {ch.get('fired_cases', 0)} / {ch.get('cases', 0)} | {ch.get('fires', 0) / n:.1f} "
+            f"| {ch.get('fetched', 0) / n:.1f} | {ch.get('attended', 0) / n:.1f} | {100 * active:.1f} % |"
+        )
+    if not rows:
+        return []
+    head = cells[0]
+    return [
+        f"### KVFetch: each eviction policy with and without the recall channel "
+        f"({head.model}, {_task(head.task)}, {head.split} split)",
+        "",
+        "| B | method | without | with | Δ | paired (with only : without only) | cases fired | fires / case "
+        "| fetched / case | attended / case | steps with the pointer set |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "Scores with measured B in brackets. Attended: fetched tokens that drew more than a held token's mean "
+        "attention (counted only with `count_attended`).",
+    ]
 
 
 def collect(results_dir: Path | str) -> list[CellResult]:
@@ -543,6 +605,8 @@ def markdown(cells: list[CellResult], plots: dict[str, str] | None = None) -> st
             for ref in PAIRED_REFS:
                 if paired := table_paired(group, b, ref):
                     lines += [*paired, ""]
+        if fetch := table_fetch(group):
+            lines += [*fetch, ""]
         lines += [*versions_note(group), ""]
         for name, rel in sorted((plots or {}).items()):
             if name.startswith(f"{model}/{task}/{split}/"):
