@@ -42,7 +42,10 @@ def make_fetch(name: str, budget: float | None, user: dict, task: str = "bfcl", 
     rest = {k: v for k, v in user.items() if k not in FETCH_KEYS}
     if inner is None:
         if base == "pask":
-            raise PaskError("fetch-pask needs a PASK table: build it with --table (pask eval / a sweep's tables)")
+            raise PaskError(
+                "fetch-pask needs a PASK table: `pask eval --policy fetch-pask --table T` or a sweep's "
+                '"fetch-pask@B" table (pask serve and pask generate do not take it yet)'
+            )
         try:
             inner = make_policy(base, budget, json.dumps(rest) if rest else None, task)
         except PaskError as e:
