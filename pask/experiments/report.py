@@ -267,10 +267,7 @@ def table_fetch(cells: list[CellResult]) -> list[str]:
             if inner is None or inner.accuracy is None or c.accuracy is None
             else f"{c.accuracy - inner.accuracy:+.2f}"
         )
-        paired = "–"
-        if inner is not None and set(inner.outcomes) & set(c.outcomes):
-            a, b, p = _paired(c, inner)
-            paired = f"{a} : {b}, p {_p(p)}" if _p(p).startswith("<") else f"{a} : {b}, p = {_p(p)}"
+        paired = "–" if inner is None else _pair_text(c, inner)
         active = ch.get("active_steps", 0) / max(ch.get("steps", 0), 1)
         rows.append(
             f"| {c.budget:g} | {c.method} | {base} | {_fmt(c.accuracy)} ({c.measured_b:.3f}) | {delta} | {paired} "

@@ -329,16 +329,9 @@ class TieredCache(Cache):
             return
         if pos.numel() == 1:  # a decode step's token leaving the window: the scalar path
             return self._apply_one(seq, group, ix, int(pos[0]), action)
-        if int(pos.min()) < 0 or int(pos.max()) >= ix.length:
-            raise self._unknown(seq, ix, pos[(pos < 0) | (pos >= ix.length)][:5].tolist())
-        if torch.unique(pos).numel() != pos.numel():
-            raise UnknownPositionError(f"duplicate positions in one action for sequence {seq}")
-        limit = ix.length - self.config.recent_window
-        if int(pos.max()) >= limit:
-            raise self._protected(seq, ix, pos[pos >= limit][:5].tolist())
+        self._check_known(seq, ix, pos, "action")
         tiers = ix.tier_of.t[pos].long()
-        if bool((tiers == R).any()):
-            raise self._released(seq, group, pos[tiers == R][:5].tolist())
+        self._check_held(seq, group, ix, pos, tiers)
         if ix.fetched:
             self._check_fetched(seq, group, ix, pos, action)
         above = [t for t in (L, L2) if harm(t) > harm(action)]
@@ -355,11 +348,32 @@ class TieredCache(Cache):
             self._move_to_low(seq, ix, layers, from_h, H, 2)
             self._move_to_low(seq, ix, layers, pos[tiers == L], L, 2)
         else:
-            for tier in (H, L, L2):
-                sel = pos[tiers == tier]
-                if sel.numel():
-                    self._remove(seq, ix, layers, tier, sel)
-                    ix.release(sel)
+            self._release_held(seq, ix, layers, pos, tiers)
+
+    def _check_known(self, seq: int, ix: _GroupIndex, pos: torch.Tensor, what: str) -> None:
+        """UnknownPositionError for a position the sequence does not have, or one given twice."""
+        if int(pos.min()) < 0 or int(pos.max()) >= ix.length:
+            raise self._unknown(seq, ix, pos[(pos < 0) | (pos >= ix.length)][:5].tolist())
+        if torch.unique(pos).numel() != pos.numel():
+            raise UnknownPositionError(f"duplicate positions in one {what} for sequence {seq}")
+
+    def _check_held(self, seq: int, group: int, ix: _GroupIndex, pos: torch.Tensor, tiers: torch.Tensor) -> None:
+        """Errors for positions inside the protected recent window, or already released."""
+        limit = ix.length - self.config.recent_window
+        if int(pos.max()) >= limit:
+            raise self._protected(seq, ix, pos[pos >= limit][:5].tolist())
+        if bool((tiers == R).any()):
+            raise self._released(seq, group, pos[tiers == R][:5].tolist())
+
+    def _release_held(
+        self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor, tiers: torch.Tensor
+    ) -> None:
+        """Free the held tokens at ``pos`` (``tiers``: their tier) in every layer of the group."""
+        for tier in (H, L, L2):
+            sel = pos[tiers == tier]
+            if sel.numel():
+                self._remove(seq, ix, layers, tier, sel)
+                ix.release(sel)
 
     # the errors of apply (one text for the batch and the one-position path)
     @staticmethod
@@ -472,20 +486,13 @@ class TieredCache(Cache):
         pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
         if pos.numel() == 0:
             return
-        if int(pos.min()) < 0 or int(pos.max()) >= ix.length:
-            raise self._unknown(seq, ix, pos[(pos < 0) | (pos >= ix.length)][:5].tolist())
-        if torch.unique(pos).numel() != pos.numel():
-            raise UnknownPositionError(f"duplicate positions in one cold-tier operation for sequence {seq}")
+        self._check_known(seq, ix, pos, "cold-tier operation")
         ix.cold_slot.ensure(ix.length)
         layers = [self.layers[i] for i in self.groups[group]]
         tiers = ix.tier_of.t[pos].long()
         cold = ix.cold_slot.t[pos].long()
         if op == ColdOp.DEMOTE:
-            limit = ix.length - self.config.recent_window
-            if int(pos.max()) >= limit:
-                raise self._protected(seq, ix, pos[pos >= limit][:5].tolist())
-            if bool((tiers == R).any()):
-                raise self._released(seq, group, pos[tiers == R][:5].tolist())
+            self._check_held(seq, group, ix, pos, tiers)
             if bool((cold >= 0).any()):
                 bad = pos[cold >= 0][:5].tolist()
                 raise KVCacheError(f"positions {bad} of sequence {seq}, group {group} already have a cold copy")
@@ -537,10 +544,7 @@ class TieredCache(Cache):
                 v[:, where] = vt.to(v.dtype)
             st.append_cold(k, v)
         ix.add_cold(pos)
-        for t, where in parts:
-            sel = pos[where]
-            self._remove(seq, ix, layers, t, sel)
-            ix.release(sel)
+        self._release_held(seq, ix, layers, pos, tiers)
 
     def compact(self) -> None:
         """Return all spare tier capacity now (tiers also shrink by themselves as tokens leave)."""

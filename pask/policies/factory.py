@@ -16,11 +16,16 @@ FETCH_PREFIX = "fetch-"
 FETCH_INNER = ("snapkv", "h2o", "criticalkv", "rocketkv", "lazyeviction", "pask")
 
 
+def split_fetch_options(user: dict) -> tuple[dict, dict]:
+    """(KVFetch's own options, the inner policy's) of a ``fetch-<inner>`` configuration."""
+    own = {k: v for k, v in user.items() if k in FETCH_KEYS}
+    return own, {k: v for k, v in user.items() if k not in own}
+
+
 def fetch_params(name: str, budget: float, user: dict, task: str = "bfcl") -> dict:
     """What ``fetch-<inner>`` runs with: the wrapper's options as given, and ``inner``: the inner
     policy's effective configuration (tuned at ``budget`` under the rest of ``user``)."""
-    own = {k: v for k, v in (user or {}).items() if k in FETCH_KEYS}
-    rest = {k: v for k, v in (user or {}).items() if k not in FETCH_KEYS}
+    own, rest = split_fetch_options(user or {})
     base = name.removeprefix(FETCH_PREFIX)
     return {**own, "inner": rest if base == "pask" else effective_config(base, budget, rest, task)}
 
@@ -38,8 +43,7 @@ def make_fetch(name: str, budget: float | None, user: dict, task: str = "bfcl", 
         )
     if budget is None and inner is None:
         raise PaskError(f"policy '{name}' needs --budget")
-    own = {k: v for k, v in user.items() if k in FETCH_KEYS}
-    rest = {k: v for k, v in user.items() if k not in FETCH_KEYS}
+    own, rest = split_fetch_options(user)
     if inner is None:
         if base == "pask":
             raise PaskError(
@@ -76,7 +80,7 @@ def fetch_pask_options(config: str | None) -> dict:
     from pask.policies.kvfetch import check_config
 
     user = parse_policy_config(config)
-    if bad := sorted(set(user) - set(FETCH_KEYS)):
+    if bad := sorted(split_fetch_options(user)[1]):
         raise PaskError(
             f"--policy-config of fetch-pask: unknown option(s) {', '.join(bad)} "
             f"(KVFetch's options: {', '.join(FETCH_KEYS)}; PASK's come from --table)"

@@ -66,6 +66,7 @@ import torch
 
 from pask.errors import PaskError
 from pask.kv.actions import Action, ColdOp
+from pask.kv.budget import check_budget
 from pask.policies.base import ActionSpec, Policy, PolicyBase, SeqContext
 from pask.structure.tags import TagClass
 
@@ -220,8 +221,8 @@ class FetchPolicy(PolicyBase):
             raise PaskError(f"kvfetch: inner must be a policy, got {type(self.inner).__name__}")
         if self.budget is None:
             self.budget = self.inner.budget
-        if self.budget is not None and not 0.0 < float(self.budget) <= 1.0:
-            raise PaskError(f"kvfetch: budget must be in (0, 1], got {self.budget}")
+        if self.budget is not None:
+            self.budget = check_budget(self.budget, "kvfetch: budget")
         check_config(self.slots, self.cold_share, self.cold_bits, self.min_run, self.trigger, self.grace, self.admit)
 
     # -- what the session computes for the wrapper: the inner policy's needs, plus tags / attention
@@ -280,9 +281,13 @@ class FetchPolicy(PolicyBase):
         prompt = torch.as_tensor(ctx.token_ids[: ctx.prompt_len], dtype=torch.long)
         groups = ctx.num_groups
         self._rows[ctx.seq] = _Row(
-            ctx.prompt_len, prompt_index(prompt), prompt, [set() for _ in range(groups)], [set() for _ in range(groups)]
+            ctx.prompt_len,
+            prompt_index(prompt),
+            prompt,
+            [set() for _ in range(groups)],
+            [set() for _ in range(groups)],
+            seen=ctx.prompt_len,
         )
-        self._rows[ctx.seq].seen = ctx.prompt_len
         return self._decide(ctx, self.inner.prefill_actions)
 
     def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
@@ -328,7 +333,7 @@ class FetchPolicy(PolicyBase):
         released = {g: [] for g in range(ctx.num_groups)}
         out: list[ActionSpec] = []
         for g, pos, action in actions:
-            if int(action) == R and not isinstance(action, ColdOp):
+            if int(action) == R:  # (a ColdOp's values are none of the Action codes)
                 released[g].append(torch.as_tensor(pos, dtype=torch.long).reshape(-1))
                 now[g, released[g][-1]] = R
             else:
@@ -413,8 +418,3 @@ class FetchPolicy(PolicyBase):
             if held:
                 pos = torch.tensor(sorted(row.fetched[g]))
                 row.counts["attended"] += int((a[pos] > a.sum() / held).sum())
-
-
-def make_fetch_policy(inner: Policy, **config: Any) -> FetchPolicy:
-    """:class:`FetchPolicy` around ``inner`` (the configuration's keys are :data:`FETCH_KEYS` and ``budget``)."""
-    return FetchPolicy(inner=inner, **config)
