@@ -220,6 +220,30 @@ def test_measured_budget_stays_at_the_target(budget, share, copy):
     assert abs(plain.budget() - budget) <= 1.0 / n
 
 
+def test_hot_iso_keeps_the_inner_hot_set_and_adds_every_release_cold():
+    budget, tokens = 0.3, prompt_tokens()
+    plain = Run(KeepSet(budget, [200, 201, 202]), tokens)
+    policy = FetchPolicy(KeepSet(budget, [200, 201, 202]), budget=budget, slots=16, iso="hot")
+    fetch = Run(policy, tokens)
+    for i in range(12):  # not a copy: dormant, the hot set is the inner policy's own
+        plain.step(1000 + i)
+        fetch.step(1000 + i)
+        n = P + i + 1
+        for g in range(2):
+            held = fetch.held(g)
+            assert held == plain.held(g)
+            assert policy._rows[0].cold[g] == set(range(n)) - held  # every release went cold
+        # the cold tier's bytes on top, (n - held) c: INT2 codes and scales against this test's
+        # fp32 K/V, c = 0.094 per token (0.1875 against BF16)
+        extra = fetch.budget() - plain.budget()
+        assert 0.08 * (1 - budget) < extra < 0.11 * (1 - budget)
+    for i in range(6):  # a copy: the fetch slots come out of the keep count, the hot set does not grow
+        plain.step(tokens[200 + i])
+        fetch.step(tokens[200 + i])
+        assert len(fetch.held(0)) <= len(plain.held(0))
+    assert policy.stats()["fires"] == 1 and policy.stats()["fetched"] > 0
+
+
 def test_wraps_a_real_eviction_policy_and_passes_its_needs_through():
     inner = SnapKVPolicy(0.3, window=16)
     policy = FetchPolicy(inner, cold_bits=4)
@@ -242,6 +266,7 @@ def test_wraps_a_real_eviction_policy_and_passes_its_needs_through():
         {"grace": -1},
         {"admit": "random"},
         {"trigger": "attention"},
+        {"iso": "bytes"},
         {"budget": 1.5},
     ],
 )
@@ -300,6 +325,7 @@ def test_decode_core_runs_the_channel_and_dormant_without_a_cold_share_changes_n
         (["--policy", "fetch-snapkv"], "needs --budget"),
         (["--policy", "fetch-snapkv", "--budget", "0.33", "--policy-config", '{"slots": 0}'], "slots"),
         (["--policy", "fetch-snapkv", "--budget", "0.33", "--policy-config", '{"slotz": 3}'], "KVFetch's own options"),
+        (["--policy", "fetch-snapkv", "--budget", "0.33", "--policy-config", '{"iso": "all"}'], "iso must be"),
         (["--policy", "fetch-pask", "--budget", "0.33"], "--table"),
         (
             ["--policy", "fetch-pask", "--table", "t.json", "--policy-config", '{"window": 3}'],

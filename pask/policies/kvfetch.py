@@ -33,7 +33,10 @@ Choices the abstract leaves open (documented in docs/kvfetch.md):
   final, so its hot set does not grow back when the pointer is lost. Measured B therefore stays at
   B (below it by the unused slots while active), and attention reads no more tokens than the inner
   policy would at B. An inner policy without a budget of its own (PASK's frozen tables) keeps its
-  table: give it one fitted to the lower budget.
+  table: give it one fitted to the lower budget. ``iso="hot"`` is the other accounting: the inner
+  policy keeps B (less the fetch slots while the pointer is set), every release goes cold, and the
+  cold tier's bytes come on top of B (measured B about ``B + (1 - B) c``): an offload tier's
+  accounting, under which the dormant channel leaves the hot set exactly as the inner policy has it.
 * **Which evicted tokens go cold.** When the cold tier cannot take every released token, the
   released tokens nearest *after* a kept token go first (``admit="successor"``, the default: the
   continuation of a kept head is what a copy needs next); ``admit="score"`` takes the inner policy's
@@ -73,8 +76,11 @@ from pask.structure.tags import TagClass
 R = int(Action.R)
 TRIGGERS = ("match", "grammar")
 #: the wrapper's own configuration keys (the rest of a configuration goes to the inner policy)
-FETCH_KEYS = ("slots", "cold_share", "cold_bits", "min_run", "grace", "trigger", "admit", "count_attended")
+FETCH_KEYS = ("slots", "cold_share", "cold_bits", "min_run", "grace", "trigger", "admit", "iso", "count_attended")
 ADMITS = ("score", "successor")
+#: what the wrapper holds equal to the inner policy alone: the total bytes (hot + cold = B), or the
+#: hot set (the inner policy keeps B less the fetch slots; the cold tier's bytes come on top)
+ISOS = ("total", "hot")
 
 
 @dataclass
@@ -149,6 +155,7 @@ def check_config(
     trigger: str = "match",
     grace: int = 4,
     admit: str = "successor",
+    iso: str = "total",
     **_: Any,
 ) -> None:
     """PaskError for a bad KVFetch option (see :class:`FetchPolicy`)."""
@@ -166,6 +173,8 @@ def check_config(
         raise PaskError(f"kvfetch: grace must be an integer >= 0, got {grace!r}")
     if admit not in ADMITS:
         raise PaskError(f"kvfetch: admit must be one of {', '.join(ADMITS)}, got {admit!r}")
+    if iso not in ISOS:
+        raise PaskError(f"kvfetch: iso must be one of {', '.join(ISOS)}, got {iso!r}")
 
 
 @dataclass
@@ -194,6 +203,12 @@ class FetchPolicy(PolicyBase):
         Which released tokens the cold tier takes when it cannot take all: those nearest after a
         kept token, or the inner policy's next best by its own ranking
         (:meth:`~pask.policies.base.Policy.ranking`; a policy without one falls back to successor).
+    iso : {"total", "hot"}, default="total"
+        ``total``: hot and cold bytes together stay at ``budget`` (the cold tier's share comes out of
+        the hot set). ``hot``: the inner policy keeps ``budget`` less the fetch slots, every release
+        goes cold and the cold tier's bytes come on top, so the measured B is higher (about
+        ``B + (1 - B) c``) and ``cold_share`` is not used: the accounting of an offload tier, where
+        only the hot set is the budget.
     trigger : {"match", "grammar"}, default="match"
         ``grammar``: fire only inside a value the parser marks as free generation, after
         ``min(min_run, 2)`` matches (needs tags).
@@ -210,6 +225,7 @@ class FetchPolicy(PolicyBase):
     grace: int = 4
     trigger: str = "match"
     admit: str = "successor"
+    iso: str = "total"
     count_attended: bool = False
 
     _rows: dict = field(default_factory=dict, init=False, repr=False)
@@ -223,7 +239,9 @@ class FetchPolicy(PolicyBase):
             self.budget = self.inner.budget
         if self.budget is not None:
             self.budget = check_budget(self.budget, "kvfetch: budget")
-        check_config(self.slots, self.cold_share, self.cold_bits, self.min_run, self.trigger, self.grace, self.admit)
+        check_config(
+            self.slots, self.cold_share, self.cold_bits, self.min_run, self.trigger, self.grace, self.admit, self.iso
+        )
 
     # -- what the session computes for the wrapper: the inner policy's needs, plus tags / attention
     @property
@@ -307,7 +325,10 @@ class FetchPolicy(PolicyBase):
         n = ctx.length
         cost = ctx.int2_cost if self.cold_bits == 2 else ctx.int4_cost
         budgeted = getattr(self.inner, "budget", None) is not None and not hasattr(self.inner, "table")  # not PASK
-        if self.budget is not None and budgeted:
+        hot_iso = self.iso == "hot"
+        if self.budget is not None and budgeted and hot_iso:  # the fetch slots out of the keep count
+            self.inner.budget = min(1.0, max(float(self.budget) - reserve / max(n, 1), 1.0 / max(n, 1)))
+        elif self.budget is not None and budgeted:
             b = float(self.budget)
             # the cold share, unless the cold tier can take every release for less (then hot h
             # and cold (1 - h) c fill B: h = (B - c) / (1 - c))
@@ -326,9 +347,9 @@ class FetchPolicy(PolicyBase):
 
         inner_ctx = dataclasses.replace(ctx, tier_fn=tiers if base is not None else None)
         actions = decide(inner_ctx)
-        if self.budget is None or self.cold_share == 0.0 or base is None:
+        if self.budget is None or (self.cold_share == 0.0 and not hot_iso) or base is None:
             return actions
-        capacity = math.floor(self.cold_share * float(self.budget) * n / cost)
+        capacity = n if hot_iso else math.floor(self.cold_share * float(self.budget) * n / cost)
         now = tiers()
         released = {g: [] for g in range(ctx.num_groups)}
         out: list[ActionSpec] = []
