@@ -1,12 +1,15 @@
 """KVFetch's cost per decode step: the inner policy alone, the channel dormant, the channel active.
 
     .venv/bin/python benchmarks/kvfetch_overhead.py [--length 8192] [--steps 48] [--budget 0.2] [--threads 2]
+        [--iso hot]
 
 qwen2.5-coder-0.5b (bf16), one row of ``--length`` random prompt tokens, decoded ``--steps`` steps with
 scripted tokens (the logits are ignored, so every run does the same work):
 
 * ``inner``: SnapKV at ``--budget`` (window 16), the tokens not in the prompt;
-* ``dormant``: ``fetch-snapkv`` at the same budget, the same tokens (the pointer never fires);
+* ``dormant``: ``fetch-snapkv`` at the same budget, the same tokens (the pointer never fires); with
+  ``--iso hot`` (default) it holds SnapKV's hot set exactly, so the difference is the channel's own
+  cost (with ``total`` its hot set is smaller by the cold share, which makes attention cheaper);
 * ``active``: ``fetch-snapkv``, the tokens of a prompt span (a verbatim copy: the pointer fires and
   the fetch slots slide every step).
 
@@ -76,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--iso",
+        choices=("hot", "total"),
+        default="hot",
+        help="KVFetch's accounting: hot (default; the dormant channel keeps SnapKV's hot set, so the "
+        "difference is the channel's own cost) or total (its hot set is smaller by the cold share)",
+    )
     ap.add_argument("--out", type=Path, default=OUT / "kvfetch_overhead")
     add_allow_dirty(ap)
     args = ap.parse_args(argv)
@@ -101,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = {
         "inner": lambda: (snapkv(), other),
-        "dormant": lambda: (FetchPolicy(snapkv(), slots=32, cold_share=0.5), other),
-        "active": lambda: (FetchPolicy(snapkv(), slots=32, cold_share=0.5), copy),
+        "dormant": lambda: (FetchPolicy(snapkv(), slots=32, cold_share=0.5, iso=args.iso), other),
+        "active": lambda: (FetchPolicy(snapkv(), slots=32, cold_share=0.5, iso=args.iso), copy),
     }
     times: dict[str, list[dict]] = {k: [] for k in runs}
     fired = {}
@@ -136,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{result['command']}`",
         "",
         f"qwen2.5-coder-0.5b, bf16, one row of {args.length} random prompt tokens, {args.steps} scripted steps, "
-        f"SnapKV (window 16) at B = {args.budget} with and without KVFetch (32 slots, cold share 0.5), "
+        f"SnapKV (window 16) at B = {args.budget} with and without KVFetch (32 slots, cold share 0.5, "
+        f"iso = {args.iso}), "
         f"{args.threads} thread(s); medians over {args.repeats} interleaved repeats. Step: between two "
         "consecutive token choices (forward + decision + bookkeeping); decide: the policy's `step_actions`.",
         "",
