@@ -369,3 +369,29 @@ def test_rows_of_a_batch_keep_their_own_channel():
     assert fetch.stats(0)["fires"] >= 1 and fetch.stats(0)["fetched"] > 0
     assert fetch.stats(1)["fires"] == 0 and fetch.stats(1)["fetched"] == 0
     assert fetch.totals["steps"] == fetch.stats(0)["steps"] + fetch.stats(1)["steps"]
+
+
+def test_the_kvfetch_report_pairs_partial_credit_cases_and_marks_uncounted_attention(tmp_path):
+    import json
+
+    from pask.experiments.report import collect, table_fetch
+
+    def cell(policy: str, scores: list[float], channel: dict | None = None) -> None:
+        d = tmp_path / "m" / "ruler" / "test" / f"{policy}-b0.2"
+        d.mkdir(parents=True)
+        budget = {"policy": {"kvfetch": channel}} if channel else {}
+        rows = [{"id": f"c{i}", "score": s, "correct": s == 1.0, "budget": budget} for i, s in enumerate(scores)]
+        (d / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        mean = 100 * sum(scores) / len(scores)
+        overall = {"n": len(scores), "correct": sum(s == 1.0 for s in scores), "score": mean}
+        (d / "summary.json").write_text(json.dumps({"overall": overall, "measured_b": 0.2}))
+
+    counts = {"steps": 10, "active_steps": 5, "fires": 1, "fetched": 8, "demoted": 3}
+    cell("snapkv", [0.2, 0.5, 0.0, 1.0])
+    cell("fetch-snapkv", [0.6, 0.5, 0.1, 0.9], counts)
+    text = "\n".join(table_fetch(collect(tmp_path)))
+    # partial credit: with ahead on c0 and c2, without ahead on c3, c1 tied (no case is fully right on one side only)
+    row = next(line for line in text.splitlines() if "SnapKV + KVFetch" in line)
+    assert "| 2 : 1, p = 1.000 |" in row
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[9] == "–"  # attended: not counted

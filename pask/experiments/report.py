@@ -102,7 +102,8 @@ class CellResult:
     path: str = ""
     b_prompt: float | None = None  # measured B of the prompt tokens / of the generated tokens
     b_decode: float | None = None
-    outcomes: dict[str, bool] = field(default_factory=dict, repr=False)  # case id -> correct (cases.jsonl)
+    # case id -> 1.0 / 0.0 correct, or the case's score for a task with partial credit (RULER's recall)
+    outcomes: dict[str, float] = field(default_factory=dict, repr=False)
     accuracy_nonempty: float | None = None  # SQL: EX on the cases whose gold query returns rows
     version: str = ""  # the code version that made the cell (commit, "-dirty"), from its cell.json
     machine: str = ""  # the CPU it ran on (ISA of the native kernels), from its cell.json
@@ -208,7 +209,7 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         path=str(cell_dir.relative_to(root)),
         b_prompt=summary.get("measured_b_prompt"),
         b_decode=summary.get("measured_b_decode"),
-        outcomes=_outcomes(cell_dir / "cases.jsonl"),
+        outcomes=_outcomes(cell_dir / "cases.jsonl", str(task)),
         channel=_channel(cell_dir / "cases.jsonl") if str(policy).startswith("fetch-") else {},
         accuracy_nonempty=summary["overall"].get("ex_nonempty_gold"),
         gold_empty=summary["overall"].get("gold_empty"),
@@ -228,10 +229,21 @@ def _version(manifest: dict) -> tuple[str, str]:
     return version, str(machine)
 
 
-def _outcomes(jsonl: Path) -> dict[str, bool]:
-    """Case id -> correct, from a cell's per-case rows (empty when there are none)."""
+def _outcomes(jsonl: Path, task: str = "") -> dict[str, float]:
+    """Case id -> 1.0 if correct else 0.0, from a cell's per-case rows (empty when there are none); for
+    a task scored with partial credit per case (``score_key`` "score": RULER's recall) the case's
+    score, so that paired comparisons count the cases each side scores higher on."""
     rows = read_done(jsonl, key=lambda r: r.get("id") if isinstance(r, dict) else None)
-    return {str(i): bool(r["correct"]) for i, r in rows.items() if i is not None and "correct" in r}
+    partial = task in TASKS and TASKS[task].score_key == "score"
+    out = {}
+    for i, r in rows.items():
+        if i is None:
+            continue
+        if partial and isinstance(r.get("score"), int | float):
+            out[str(i)] = float(r["score"])
+        elif "correct" in r:
+            out[str(i)] = float(bool(r["correct"]))
+    return out
 
 
 def _channel(jsonl: Path) -> dict:
@@ -269,10 +281,11 @@ def table_fetch(cells: list[CellResult]) -> list[str]:
         )
         paired = "–" if inner is None else _pair_text(c, inner)
         active = ch.get("active_steps", 0) / max(ch.get("steps", 0), 1)
+        attended = f"{ch['attended'] / n:.1f}" if "attended" in ch else "–"
         rows.append(
             f"| {c.budget:g} | {c.method} | {base} | {_fmt(c.accuracy)} ({c.measured_b:.3f}) | {delta} | {paired} "
             f"| {ch.get('fired_cases', 0)} / {ch.get('cases', 0)} | {ch.get('fires', 0) / n:.1f} "
-            f"| {ch.get('fetched', 0) / n:.1f} | {ch.get('attended', 0) / n:.1f} | {100 * active:.1f} % |"
+            f"| {ch.get('fetched', 0) / n:.1f} | {attended} | {100 * active:.1f} % |"
         )
     if not rows:
         return []
@@ -281,13 +294,14 @@ def table_fetch(cells: list[CellResult]) -> list[str]:
         f"### KVFetch: each eviction policy with and without the recall channel "
         f"({head.model}, {_task(head.task)}, {head.split} split)",
         "",
-        "| B | method | without | with | Δ | paired (with only : without only) | cases fired | fires / case "
+        "| B | method | without | with | Δ | paired (with ahead : without ahead) | cases fired | fires / case "
         "| fetched / case | attended / case | steps with the pointer set |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
-        "Scores with measured B in brackets. Attended: fetched tokens that drew more than a held token's mean "
-        "attention (counted only with `count_attended`).",
+        "Scores with measured B in brackets. Paired: cases where one side scores higher (correct against "
+        "wrong; RULER: a higher recall score), exact sign test. Attended: fetched tokens that drew more than a "
+        "held token's mean attention (only with `count_attended`, else –).",
     ]
 
 
@@ -475,17 +489,18 @@ def table_paired(cells: list[CellResult], budget: float, ref: str = "pask") -> l
             continue
         ids = set(base.outcomes) & set(c.outcomes)
         a, b, p = _paired(base, c)
-        both = sum(base.outcomes[i] and c.outcomes[i] for i in ids)
+        both = sum(base.outcomes[i] >= 1.0 and c.outcomes[i] >= 1.0 for i in ids)
         name = f"{c.method} (B = {_f(c.measured_b, 3)})"
         lines.append(_row([name, str(len(ids)), str(a), str(b), str(both), str(len(ids) - a - b - both), _p(p)]))
     return lines
 
 
 def _paired(base: CellResult, other: CellResult) -> tuple[int, int, float]:
-    """(base only right, other only right, sign test p) on the cases both ran."""
+    """(base only right, other only right, sign test p) on the cases both ran; with partial credit
+    (RULER) the cases each side scores higher on."""
     ids = set(base.outcomes) & set(other.outcomes)
-    a = sum(base.outcomes[i] and not other.outcomes[i] for i in ids)
-    b = sum(other.outcomes[i] and not base.outcomes[i] for i in ids)
+    a = sum(base.outcomes[i] > other.outcomes[i] for i in ids)
+    b = sum(other.outcomes[i] > base.outcomes[i] for i in ids)
     return a, b, sign_test_p(a, b)
 
 

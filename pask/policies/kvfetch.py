@@ -306,6 +306,8 @@ class FetchPolicy(PolicyBase):
             [set() for _ in range(groups)],
             seen=ctx.prompt_len,
         )
+        if not self.count_attended:  # not counted: absent, not 0
+            del self._rows[ctx.seq].counts["attended"]
         return self._decide(ctx, self.inner.prefill_actions)
 
     def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
