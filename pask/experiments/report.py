@@ -412,7 +412,7 @@ def table_by_budget(cells: list[CellResult], nonempty: bool = False) -> list[str
         lines += [f"Full KV: {_f(score(full))} (B = {_f(full.measured_b, 3)}, n = {n}).", ""]
     lines += _head(["Method", *[f"B = {b:g}" for b in budgets]])
     for p in _methods(cells):
-        row = [METHODS.get(p, p)]
+        row = [method_name(p)]
         for b in budgets:
             c = _at(cells, p, b)
             mark = " *" if c is not None and c.status != "done" else ""
@@ -429,7 +429,7 @@ def table_budgets(cells: list[CellResult]) -> list[str]:
     lines = [f"### Table 9 — target vs measured budget B ({c0.model}, {_task(c0.task)}, {c0.split} split)", ""]
     lines += _head(["Method", *[f"target {b:g}" for b in budgets], "max abs. deviation"])
     for p in _methods(cells):
-        row, devs = [METHODS.get(p, p)], []
+        row, devs = [method_name(p)], []
         for b in budgets:
             c = _at(cells, p, b)
             row.append("–" if c is None else _f(c.measured_b, 3))
@@ -745,7 +745,7 @@ def plot_accuracy_vs_budget(cells: list[CellResult], path: Path) -> Plot:
     x_tol, y_tol = 0.012, 0.012 * top
     shift = dict(zip([(p, k) for p, k, _ in flat], dodge(points, x_tol, y_tol, step=0.02), strict=True))
     for p, marker, pts in curves:
-        name = METHODS.get(p, p)
+        name = method_name(p)
         xs = [x + shift[(p, k)] for k, (x, _) in enumerate(pts)]
         ys = [y for _, y in pts]
         style = {"marker": marker, "markersize": 7, "markeredgewidth": 1.4, "color": COLORS.get(p), "label": name}
@@ -765,7 +765,7 @@ def plot_accuracy_vs_budget(cells: list[CellResult], path: Path) -> Plot:
         for rank, i in enumerate(sorted(labelled, key=lambda i: -points[i][1])):
             p, _, (_, y) = flat[i]
             ax.annotate(
-                f"{METHODS.get(p, p)} {y:.1f}",
+                f"{method_name(p)} {y:.1f}",
                 (max(xs) if right else min(xs), y_mid),
                 xytext=(10 if right else -10, 5.5 * (len(labelled) - 1) - 11 * rank),
                 textcoords="offset points", ha="left" if right else "right", va="center", fontsize=7.5,
