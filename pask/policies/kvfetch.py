@@ -98,7 +98,7 @@ class _Row:
     pointer: int | None = None
     hold: int = 0  # steps the window is still held after the pointer stopped matching
     counts: dict[str, int] = field(
-        default_factory=lambda: {"steps": 0, "active_steps": 0, "fires": 0, "fetched": 0, "attended": 0, "demoted": 0}
+        default_factory=lambda: {"steps": 0, "active_steps": 0, "fires": 0, "fetched": 0, "demoted": 0}
     )
 
 
@@ -306,8 +306,8 @@ class FetchPolicy(PolicyBase):
             [set() for _ in range(groups)],
             seen=ctx.prompt_len,
         )
-        if not self.count_attended:  # not counted: absent, not 0
-            del self._rows[ctx.seq].counts["attended"]
+        if self.count_attended:  # only counted on request (absent, not 0, otherwise)
+            self._rows[ctx.seq].counts["attended"] = 0
         return self._decide(ctx, self.inner.prefill_actions)
 
     def step_actions(self, ctx: SeqContext) -> list[ActionSpec]:
@@ -328,15 +328,16 @@ class FetchPolicy(PolicyBase):
         cost = ctx.int2_cost if self.cold_bits == 2 else ctx.int4_cost
         budgeted = getattr(self.inner, "budget", None) is not None and not hasattr(self.inner, "table")  # not PASK
         hot_iso = self.iso == "hot"
-        if self.budget is not None and budgeted and hot_iso:  # the fetch slots out of the keep count
-            self.inner.budget = min(1.0, max(float(self.budget) - reserve / max(n, 1), 1.0 / max(n, 1)))
-        elif self.budget is not None and budgeted:
+        if self.budget is not None and budgeted:
             b = float(self.budget)
-            # the cold share, unless the cold tier can take every release for less (then hot h
-            # and cold (1 - h) c fill B: h = (B - c) / (1 - c))
-            # the fetch slots: the ``reserve`` tokens the inner policy gives up may go cold (cost c
-            # each), so it gives up reserve / (1 - c) to pay for them
-            hot = max(b * (1.0 - self.cold_share), (b - cost) / (1.0 - cost)) - reserve / (1.0 - cost) / max(n, 1)
+            if hot_iso:  # the inner policy keeps B; the fetch slots come out of its keep count
+                hot = b - reserve / max(n, 1)
+            else:
+                # the cold share, unless the cold tier can take every release for less (then hot h
+                # and cold (1 - h) c fill B: h = (B - c) / (1 - c))
+                # the fetch slots: the ``reserve`` tokens the inner policy gives up may go cold (cost c
+                # each), so it gives up reserve / (1 - c) to pay for them
+                hot = max(b * (1.0 - self.cold_share), (b - cost) / (1.0 - cost)) - reserve / (1.0 - cost) / max(n, 1)
             self.inner.budget = min(1.0, max(hot, 1.0 / max(n, 1)))
         base = ctx.tier_fn
 
