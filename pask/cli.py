@@ -31,6 +31,10 @@ from pask.serving.replicas import serving_model, serving_policy_factory
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Parser-aware structural KV persistence.")
 bench_app = typer.Typer(no_args_is_help=True, help="Micro-benchmarks.")
 app.add_typer(bench_app, name="bench")
+meta_app = typer.Typer(
+    no_args_is_help=True, help="MetaKV: choose a KV configuration per request under latency and memory limits."
+)
+app.add_typer(meta_app, name="meta")
 console = Console(stderr=True)
 
 
@@ -148,6 +152,26 @@ def _policy_builder(task: str, policy: str, budget: float | None, config: str | 
         return make_fetch(policy, budget, fetch, task, inner=pask)
 
     return build
+
+
+def _meta_builder(task: str, meta: Path | None, max_latency_ms, max_kv_mb, budget, table, policy_config):
+    """Check `pask eval --policy meta`'s options before the model loads; return (``lm -> MetaSelector``,
+    the settings' record of the predictor and limits)."""
+    from pask.meta.predictor import load as load_predictor
+    from pask.meta.selection import Constraints, check_limit
+    from pask.meta.selector import MetaSelector
+
+    if meta is None:
+        raise PaskError("--policy meta needs --meta FILE (a predictor made by `pask meta fit`)")
+    if budget is not None or table is not None or policy_config is not None:
+        raise PaskError("--policy meta takes its configurations from --meta, not --budget / --table / --policy-config")
+    limits = Constraints(check_limit(max_latency_ms, "--max-latency-ms"), check_limit(max_kv_mb, "--max-kv-mb"))
+    load_predictor(meta, task=task)  # format and task now, the model's fingerprint after the load
+
+    def build(lm):
+        return MetaSelector(load_predictor(meta, lm.fingerprint, task), limits, fingerprint=lm.fingerprint)
+
+    return build, json.dumps({"meta_sha256": file_sha256(meta), **limits.to_json()})
 
 
 def _command() -> str:
@@ -389,8 +413,20 @@ def eval_task(
     force: Annotated[
         bool, typer.Option(help="--out holds results made with other settings: discard them and start over")
     ] = False,
+    meta: Annotated[
+        Path | None, typer.Option(help="--policy meta: the MetaKV predictor file (made by `pask meta fit`)")
+    ] = None,
+    max_latency_ms: Annotated[
+        float | None, typer.Option(help="--policy meta: each case's latency limit in ms (default: none)")
+    ] = None,
+    max_kv_mb: Annotated[
+        float | None, typer.Option(help="--policy meta: each case's KV limit in MB = 10^6 bytes (default: none)")
+    ] = None,
 ) -> None:
     """Evaluate a model + KV policy on TASK; writes cases.jsonl, summary.json and summary.md.
+
+    --policy meta (MetaKV) chooses each case's configuration among the predictor file's candidates
+    under --max-latency-ms / --max-kv-mb (docs/metakv.md); each row records the choice.
 
     bfcl: accuracy per category (paper Table 1); sql: execution accuracy per difficulty (Table 12);
     ruler: string-match recall per sub-task (RULER) at --length tokens.
@@ -412,24 +448,37 @@ def eval_task(
     if not cases:
         given = {k: v for k, v in options.items() if v is not None}
         raise PaskError(f"no {task} cases in split '{split}'" + "".join(f" for {k} {v}" for k, v in given.items()))
-    build = _policy_builder(task, policy, budget, policy_config, table, allow_transfer)
+    if policy == "meta":
+        build, policy_config = _meta_builder(task, meta, max_latency_ms, max_kv_mb, budget, table, policy_config)
+        check_batching(batching, "--batching")
+        if batching != "continuous":
+            raise PaskError("--policy meta needs --batching continuous (each configuration decodes its own group)")
+    elif meta is not None or max_latency_ms is not None or max_kv_mb is not None:
+        raise PaskError("--meta, --max-latency-ms and --max-kv-mb are options of --policy meta")
+    else:
+        build = _policy_builder(task, policy, budget, policy_config, table, allow_transfer)
     out = out or Path("runs") / f"{task}-{model.replace('/', '_')}-{policy}-{split}"
     settings = _eval_settings(t, model, policy, budget, policy_config, table, split, max_new_tokens, dtype, options)
     check_settings(out, settings, force)  # before the model loads; run_task checks again (a no-op)
     _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
     kv_policy = build(lm)
-    meta = {"model": lm.name, "policy": policy, "budget": budget, "split": split, **t.run_record(limit, options)}
-    meta = _run_meta(meta, table if policy == "pask" else None)
+    selector = None
+    if policy == "meta":
+        selector, kv_policy = kv_policy, None
+    record = {"model": lm.name, "policy": policy, "budget": budget, "split": split, **t.run_record(limit, options)}
+    record = _run_meta(record, table if policy == "pask" else None)
+    if selector is not None:
+        record["meta"] = {"predictor": str(meta), **selector.defaults.to_json(), "candidates": list(selector.allowed)}
     args = (batch_size, max_new_tokens, kv_policy)
     summary = _with_progress(
         f"{task} {policy}",
         len(cases),
         lambda advance: run_task(
-            t, lm, cases, out, *args, advance, meta, save_tags, batching, settings, force, **options
+            t, lm, cases, out, *args, advance, record, save_tags, batching, settings, force, selector, **options
         ),
     )
-    print(t.markdown(summary, meta))
+    print(t.markdown(summary, record))
     console.print(f"results: {out}/")
 
 
@@ -1005,6 +1054,91 @@ def serve(
         console.print(f"[yellow]warning:[/] listening on {host} without an API key (--api-key or $PASK_API_KEY)")
     console.print(f"serving {lm.name} with policy {policy} on http://{host}:{port}/v1")
     run_server(service, host, port)
+
+
+@meta_app.command("fit")
+@user_errors
+def meta_fit(
+    config: Annotated[
+        list[Path], typer.Option("--config", help="sweep config of dev / calibration cells (repeatable)")
+    ],
+    out: Annotated[Path, typer.Option(help="the predictor file to write (JSON)")],
+    model: ModelOpt = DEFAULT_MODEL,
+    dtype: DtypeOpt = "bf16",
+    folds: Annotated[int, typer.Option(help="cross-validation folds for the held-out errors (1: none)")] = 5,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Fit MetaKV's predictors (output length, latency, KV bytes, P(correct)) on dev cells; write FILE.
+
+    One cell per candidate configuration, every cell on the calibration or dev split (never test
+    or live), one task. The file is tied to the model's fingerprint, like a PASK table.
+    """
+    from pask.experiments.metakv import fit_from_configs
+    from pask.runtime.models import load_model
+
+    if folds < 1:
+        raise PaskError(f"--folds must be >= 1, got {folds}")
+    for c in config:
+        if not c.is_file():
+            raise PaskError(f"sweep config {c} does not exist")
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+    t0 = time.perf_counter()
+    record = {"command": _command(), "code_version": code_version(), "machine": machine()}
+    pred = fit_from_configs(config, lm, folds, record)
+    pred.fit["wall_s"] = round(time.perf_counter() - t0, 1)
+    pred.save(out)
+    cv = pred.fit.get("cv") or {}
+    console.print(
+        f"fitted {len(pred.names)} candidates on {pred.fit['n_cases']} cases ({pred.fit['n_rows']} rows); "
+        f"held out: AUC {cv.get('auc_mean', '-')}, MAE output {cv.get('mae_n_out', '-')} tokens, "
+        f"KV {cv.get('mae_kv_mb', '-')} MB, latency {cv.get('mae_latency_ms', '-')} ms"
+    )
+    console.print(f"predictor: {out}")
+
+
+@meta_app.command("csr")
+@user_errors
+def meta_csr(
+    predictor: Annotated[Path, typer.Option(help="the predictor file (`pask meta fit`)")],
+    dev_config: Annotated[list[Path], typer.Option("--dev-config", help="sweep config of the dev cells")],
+    test_config: Annotated[list[Path], typer.Option("--test-config", help="sweep config of the test cells")],
+    out: Annotated[Path, typer.Option(help="result stem: writes .json, .md and .png")],
+    model: ModelOpt = DEFAULT_MODEL,
+    dtype: DtypeOpt = "bf16",
+    threads: ThreadsOpt = None,
+    allow_dirty: Annotated[
+        bool, typer.Option(help="write into benchmarks/results/ even with uncommitted code changes")
+    ] = False,
+) -> None:
+    """Constrained success rate over a grid of (latency, KV) limits: MetaKV, every static candidate,
+    the best static one per limit (chosen on dev) and the oracle, on the candidates' test cells."""
+    from pask.experiments.metakv import cell_observations, evaluate, grid_limits, heatmap, markdown
+    from pask.experiments.provenance import check_clean, write_result
+    from pask.meta.predictor import load as load_predictor
+    from pask.runtime.models import load_model
+
+    check_clean(out, allow_dirty)
+    for c in (*dev_config, *test_config):
+        if not c.is_file():
+            raise PaskError(f"sweep config {c} does not exist")
+    pred = load_predictor(predictor)
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+    pred = load_predictor(predictor, lm.fingerprint)
+    feats: dict = {}
+    dev, test = [], []
+    for c in dev_config:
+        dev += cell_observations(c, lm.tokenizer, feats, only=pred.candidates)[1]
+    for c in test_config:
+        test += cell_observations(c, lm.tokenizer, feats, only=pred.candidates)[1]
+    result = evaluate(pred, dev, test, grid_limits(pred, dev))
+    md = markdown(pred.task, pred, result)
+    data = {"task": pred.task, "predictor": str(predictor), "candidates": pred.names, "fit": pred.fit, **result}
+    json_path, _ = write_result(out, data, md, command=_command(), allow_dirty=allow_dirty)
+    heatmap(pred.task, result, Path(str(json_path)[: -len(".json")] + ".png"))
+    print(md, end="")
+    console.print(f"results: {json_path}")
 
 
 def _serving_model(model: str, dtype: str):

@@ -176,6 +176,7 @@ def run_task(
     batching: str = "static",
     settings: dict | None = None,
     force: bool = False,
+    selector=None,
     **options: Any,
 ) -> dict:
     """Evaluate ``cases`` of ``task`` into ``out_dir`` (resuming there) and write the summary; return it.
@@ -187,6 +188,9 @@ def run_task(
     depend on, checked against and recorded in ``out_dir/settings.json`` (:func:`check_settings`,
     ``force``: discard rows made with other settings; None: no check); ``options``: the task's
     options (defaults filled in). Given only finished cases, ``lm`` is not touched (may be None).
+    ``selector``: a :class:`~pask.meta.selector.MetaSelector` choosing each case's configuration
+    (MetaKV; continuous batching, ``policy`` None): the cases are grouped by their choice and each
+    group decodes on its own cache; every row records the choice and the predictions (``meta``).
     """
     if batch_size < 1:
         raise PaskError("--batch-size must be >= 1")
@@ -196,7 +200,9 @@ def run_task(
         raise PaskError("--max-new-tokens must be >= 1")
     check_batching(batching)
     options = task.resolve_options(options)
-    tagging = save_tags or (policy is not None and policy.needs_tags)
+    if selector is not None and (policy is not None or batching != "continuous"):
+        raise PaskError("--policy meta chooses each case's policy and needs --batching continuous")
+    tagging = save_tags or selector is not None or (policy is not None and policy.needs_tags)
     out_dir = Path(out_dir)
     if settings is not None:
         check_settings(out_dir, settings, force)
@@ -217,10 +223,32 @@ def run_task(
                 progress(1)
         runnable = [p for p in prepared if p[2] is None]
 
-        def write(c, g: Generation, r: Request) -> None:
-            f.write(json.dumps(case_row(task, c, g, r, save_tags, **options)) + "\n")
+        choices: dict[int, Any] = {}
 
-        if batching == "continuous":
+        def write(c, g: Generation, r: Request, i: int | None = None) -> None:
+            row = case_row(task, c, g, r, save_tags, **options)
+            if i is not None and i in choices:
+                row["meta"] = choices[i].to_json()
+            f.write(json.dumps(row) + "\n")
+
+        if selector is not None:
+            groups: dict[str, list[int]] = {}
+            for i, (_, r, _) in enumerate(runnable):
+                choices[i] = selector.choose(r.prompt_ids, r.prompt_labels)
+                groups.setdefault(choices[i].candidate, []).append(i)
+
+            def finished_meta(i: int, g: Generation) -> None:
+                c, r, _ = runnable[i]
+                write(c, g, r, i)
+                f.flush()
+                if progress:
+                    progress(1)
+
+            for name in selector.allowed:  # the candidates' order: one cache (and policy) per group
+                if name in groups:
+                    items = ((i, runnable[i][1]) for i in groups[name])
+                    decode_continuous(lm, items, batch_size, selector.policy(name), finished_meta)
+        elif batching == "continuous":
 
             def finished(i: int, g: Generation) -> None:
                 c, r, _ = runnable[i]

@@ -57,6 +57,11 @@ class KIVIPolicy(PolicyBase):
     def name(self) -> str:
         return f"kivi-{self.bits}"
 
+    @property
+    def l2_key_bits(self) -> int | None:  # type: ignore[override]
+        """2 when it stores INT2 tokens (its L2 action is INT2 keys and values, not K4V2); None: no L2."""
+        return 2 if 2 in self.widths(1) else None
+
     def widths(self, num_groups: int) -> list[int]:
         """The code width of each layer group (all ``bits`` here)."""
         return [self.bits] * num_groups

@@ -74,6 +74,11 @@ class MiKVPolicy(AttentionAccumulating):
             raise PaskError(f"{self.name}: bits must be 4 or 2, got {self.bits!r}")
         check_choice(self.head_reduce, REDUCES, "head_reduce", self.name)
 
+    @property
+    def l2_key_bits(self) -> int | None:  # type: ignore[override]
+        """2 with an INT2 low tier (INT2 keys and values, not K4V2); None at 4 bits."""
+        return 2 if self.bits == 2 else None
+
     def _plan(self, ctx: SeqContext) -> list[ActionSpec]:
         n = ctx.length
         c = ctx.int4_cost if self.bits == 4 else ctx.int2_cost

@@ -92,7 +92,7 @@ class Job:
     request: Request
     on_token: Callable[[Job, int], None] | None = None
     on_finish: Callable[[Job], None] | None = None
-    policy: Policy | None = None  # set at submission (one instance per request)
+    policy: Policy | None = None  # set at submission (one instance per request), unless preset (MetaKV)
     seq: int = 0  # the row the policy sees (SeqContext.seq); a replay sharing one policy numbers its rows
     choose: Callable[[torch.Tensor], int] | None = None  # overrides the greedy choice (teacher forcing)
     stop_ids: frozenset[int] = frozenset()  # tokens that stop the job and are recorded (replays)
@@ -228,12 +228,38 @@ class Scheduler:
         """Queue a job (FIFO); raises CapacityError if it alone exceeds the capacity."""
         r = job.request
         job.reserved = self.check(len(r.prompt_ids), r.max_new_tokens)
-        job.policy = self.policy_factory()
+        if job.policy is None:
+            job.policy = self.policy_factory()
+        else:  # chosen per request (MetaKV): it must run on this scheduler's cache and statistics
+            self.check_policy(job.policy)
         if r.sampled and job.rng is None:  # one stream per request, drawn on across its steps
             job.rng = new_generator(r.seed)
         job.history = list(r.prompt_ids)
         job.t_submit = job.t_submit or time.perf_counter()
         self.waiting.append(job)
+
+    def check_policy(self, policy: Policy) -> None:
+        """:class:`PaskError` unless ``policy`` runs on this scheduler as built: the same cache layout
+        (L2 key width, cold tier), statistics it computes (the same prefill window; step attention,
+        value norms, the step scorer only if computed) and tags if it reads them."""
+        name = getattr(policy, "name", type(policy).__name__)
+        if with_key_bits(self.config, policy) != self.config:
+            raise PaskError(f"policy {name} needs another cache layout than this scheduler's ({self.policy_name})")
+        need, have = StatsRequest.of(policy), self.stats_request
+        missing = [
+            what
+            for what, bad in (
+                ("its prefill window", need.prefill_window and need.prefill_window != have.prefill_window),
+                ("prefill value norms", need.prefill_value_norm and not have.prefill_value_norm),
+                ("step attention", need.step_attention and not have.step_attention),
+                ("its step scorer", need.step_scorer is not None and need.step_scorer is not have.step_scorer),
+                ("tags", policy.needs_tags and not self.needs_tags),
+            )
+            if bad
+        ]
+        if missing:
+            lacks = ", ".join(missing)
+            raise PaskError(f"policy {name} needs {lacks}, which this scheduler ({self.policy_name}) lacks")
 
     def cancel(self, job_id: str) -> bool:
         """Mark a job cancelled; it leaves at the next step boundary, or before its prefill if it
