@@ -995,11 +995,26 @@ def serve(
         ),
     ] = None,
     docs: Annotated[bool, typer.Option(help="serve /docs, /redoc and /openapi.json")] = False,
+    meta: Annotated[
+        Path | None, typer.Option(help="--policy meta: the MetaKV predictor file (`pask meta fit`, task bfcl)")
+    ] = None,
+    max_latency_ms: Annotated[
+        float | None, typer.Option(help="--policy meta: default latency limit in ms (a request's own overrides it)")
+    ] = None,
+    max_kv_mb: Annotated[
+        float | None, typer.Option(help="--policy meta: default KV limit in MB = 10^6 bytes (a request's overrides it)")
+    ] = None,
+    meta_candidates: Annotated[
+        str | None,
+        typer.Option(help="--policy meta: comma-separated candidates to offer (default: all; one cache must fit them)"),
+    ] = None,
 ) -> None:
     """OpenAI-compatible server (/v1/chat/completions, /v1/models, /health, /metrics) with continuous batching.
 
     With ``--replicas N --ray local|auto|ADDRESS``: N replicas on Ray Serve behind one address
-    (docs/serving.md, "Replicas on Ray Serve").
+    (docs/serving.md, "Replicas on Ray Serve"). With ``--policy meta --meta FILE``: MetaKV chooses each
+    request's configuration under the limits, per request in the body's ``pask`` field
+    (docs/metakv.md); the response's ``pask.meta`` says which, and /metrics counts them.
     """
     from pask.serving.server import Limits, Service
     from pask.serving.server import serve as run_server
@@ -1021,9 +1036,10 @@ def serve(
         check_budget(budget, "--budget")
     if capacity_tokens is not None and capacity_tokens < 1:
         raise PaskError(f"--capacity-tokens must be >= 1, got {capacity_tokens}")
-    if policy != "pask":
+    meta_args = _serve_meta_args(policy, meta, max_latency_ms, max_kv_mb, meta_candidates, budget, table, ray)
+    if policy not in ("pask", "meta"):
         serving_policy_factory(policy, budget, policy_config)  # fail before the model loads
-    elif table is None:
+    elif policy == "pask" and table is None:
         raise PaskError("--policy pask needs --table FILE (made by `pask calibrate --task bfcl`)")
     if ray is not None:  # the replicas on Ray Serve: everything is checked here, before Ray starts
         from pask.serving.replicas import ReplicaSpec, deploy
@@ -1046,10 +1062,21 @@ def serve(
         return
     _threads(threads, prefill_store)
     lm = _serving_model(model, dtype)
-    factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)
+    selector = None
+    if meta_args is not None:
+        from pask.meta.predictor import load as load_predictor
+        from pask.meta.selector import MetaSelector
+
+        path, defaults, allowed = meta_args
+        selector = MetaSelector(load_predictor(path, lm.fingerprint, "bfcl"), defaults, allowed, lm.fingerprint)
+        selector.probe()  # one running cache for every offered candidate, checked before serving
+        factory = selector.probe
+    else:
+        factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)
     service = Service.build(
-        lm, factory, capacity_tokens, max_batch=max_batch, default_max_tokens=max_tokens, limits=limits
-    )
+        lm, factory, capacity_tokens, max_batch=max_batch, default_max_tokens=max_tokens, limits=limits,
+        selector=selector,
+    )  # fmt: skip
     if limits.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning:[/] listening on {host} without an API key (--api-key or $PASK_API_KEY)")
     console.print(f"serving {lm.name} with policy {policy} on http://{host}:{port}/v1")
@@ -1139,6 +1166,33 @@ def meta_csr(
     heatmap(pred.task, result, Path(str(json_path)[: -len(".json")] + ".png"))
     print(md, end="")
     console.print(f"results: {json_path}")
+
+
+def _serve_meta_args(policy, meta, max_latency_ms, max_kv_mb, candidates, budget, table, ray):
+    """`pask serve --policy meta`'s options, checked before the model loads: (predictor path, default
+    limits, offered candidates or None), or None for another policy."""
+    from pask.meta.predictor import load as load_predictor
+    from pask.meta.selection import Constraints, check_limit
+
+    if policy != "meta":
+        if meta is not None or max_latency_ms is not None or max_kv_mb is not None or candidates is not None:
+            raise PaskError("--meta, --max-latency-ms, --max-kv-mb and --meta-candidates are options of --policy meta")
+        return None
+    if meta is None:
+        raise PaskError("--policy meta needs --meta FILE (a predictor made by `pask meta fit --config ...`)")
+    if budget is not None or table is not None:
+        raise PaskError("--policy meta takes its configurations from --meta, not --budget / --table")
+    if ray is not None:
+        raise PaskError("--policy meta runs in one process for now: drop --ray / --replicas")
+    defaults = Constraints(check_limit(max_latency_ms, "--max-latency-ms"), check_limit(max_kv_mb, "--max-kv-mb"))
+    pred = load_predictor(meta, task="bfcl")  # served requests are tool calls / JSON: a bfcl predictor
+    allowed = None
+    if candidates is not None:
+        allowed = [c.strip() for c in candidates.split(",") if c.strip()]
+        unknown = [c for c in allowed if c not in pred.names]
+        if unknown or not allowed:
+            raise PaskError(f"--meta-candidates: unknown {unknown or '(none given)'}; {meta} has {pred.names}")
+    return meta, defaults, allowed
 
 
 def _serving_model(model: str, dtype: str):

@@ -103,7 +103,8 @@ CANDS = [Candidate("full"), Candidate("kivi-4", 0.33), Candidate("snapkv", 0.33)
 
 
 def _observations(n_cases: int = 80, seed: int = 0) -> list[Observation]:
-    """Synthetic dev cases: long prompts fail under SnapKV, KIVI-4 holds a third of the bytes."""
+    """Synthetic dev cases: Full KV is right most often, long prompts fail under SnapKV, KIVI-4 holds a third
+    of the bytes."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n_cases):
@@ -111,7 +112,8 @@ def _observations(n_cases: int = 80, seed: int = 0) -> list[Observation]:
         feats = request_features(list(range(prompt)), None)
         for c in CANDS:
             bp = {"full": 1.0, "kivi-4": 0.34, "snapkv": 0.33}[c.policy]
-            correct = bool(rng.random() < (0.2 if c.policy == "snapkv" and prompt > 350 else 0.8))
+            p_ok = {"full": 0.95, "kivi-4": 0.75, "snapkv": 0.85 if prompt <= 350 else 0.1}[c.policy]
+            correct = bool(rng.random() < p_ok)
             n = int(rng.integers(10, 40))
             out.append(Observation(c.name, feats, correct, n, 5 + 0.1 * prompt, 40 + 0.01 * prompt, bp, bp,
                                    int(12288 * (prompt + n) * bp), f"dev/{i}"))  # fmt: skip

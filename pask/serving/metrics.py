@@ -33,6 +33,7 @@ class Metrics:
     ttft_sum_s: float = 0.0
     ttft_count: int = 0
     gauges: dict[str, float | None] = field(default_factory=dict)
+    choices: dict[str, int] = field(default_factory=dict)  # MetaKV: requests per chosen configuration
     started: float = field(default_factory=time.monotonic)
     _recent: deque = field(default_factory=deque, repr=False)  # (time, tokens) of finished requests
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -40,6 +41,11 @@ class Metrics:
     def count(self, outcome: str) -> None:
         with self._lock:
             self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def chose(self, configuration: str) -> None:
+        """Count a request MetaKV gave ``configuration``."""
+        with self._lock:
+            self.choices[configuration] = self.choices.get(configuration, 0) + 1
 
     def observe(self, job, outcome: str | None = None) -> None:
         """Record a finished :class:`~pask.runtime.scheduler.Job` (``outcome``: instead of the one its stop implies)."""
@@ -78,6 +84,7 @@ class Metrics:
                 "model": self.model,
                 "policy": self.policy,
                 "requests": dict(self.requests),
+                "choices": dict(self.choices),
                 **{k: getattr(self, k) for k in COUNTERS},
                 "gauges": dict(self.gauges),
                 "throughput": self.throughput(),
@@ -110,10 +117,11 @@ def merge(states: list[dict]) -> dict:
     KV budget weighted by each replica's Full-KV bytes (exact); the finished one has no sum (None)."""
     if not states:
         return Metrics().state()
-    out = {"model": states[0]["model"], "policy": states[0]["policy"], "requests": {}, "gauges": {}}
+    out = {"model": states[0]["model"], "policy": states[0]["policy"], "requests": {}, "choices": {}, "gauges": {}}
     for s in states:
-        for k, v in s["requests"].items():
-            out["requests"][k] = out["requests"].get(k, 0) + v
+        for key in ("requests", "choices"):
+            for k, v in s.get(key, {}).items():
+                out[key][k] = out[key].get(k, 0) + v
     for k in (*COUNTERS, "throughput"):
         out[k] = sum(s[k] for s in states)
     for key, _ in GAUGES:
@@ -154,6 +162,9 @@ def render(state: dict, replicas: dict[str, dict] | None = None) -> str:
     reqs = state["requests"] or {"ok": 0}
     by_outcome = [(f'outcome="{k}"', v) for k, v in reqs.items()]
     metric("requests_total", "counter", "Requests by outcome.", by_outcome)
+    if state.get("choices"):
+        chosen = [(f'configuration="{k}"', v) for k, v in sorted(state["choices"].items())]
+        metric("meta_choices_total", "counter", "Requests by the configuration MetaKV chose.", chosen)
     metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", state["prompt_tokens"])])
     metric("completion_tokens_total", "counter", "Generated tokens.", [("", state["completion_tokens"])])
     metric("tpot_seconds_sum", "counter", "Sum of per-request time per output token.", [("", state["tpot_sum_s"])])

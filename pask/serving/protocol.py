@@ -220,6 +220,15 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class PaskExtension(_Model):
+    """The request's ``pask`` extension field (the openai client sends it with ``extra_body``): the
+    limits a MetaKV server chooses the request's KV configuration under (docs/metakv.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    max_latency_ms: Annotated[float, Field(gt=0)] | None = None
+    max_kv_mb: Annotated[float, Field(gt=0)] | None = None
+
+
 class ChatCompletionRequest(_Model):
     """The body of ``POST /v1/chat/completions`` as this server reads it (other OpenAI fields are ignored)."""
 
@@ -240,6 +249,7 @@ class ChatCompletionRequest(_Model):
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    pask: PaskExtension | None = None
 
 
 # messages for an error at exactly these parameters (the OpenAI shape of the value)
@@ -252,6 +262,8 @@ _SHAPES = {
     "temperature": f"'temperature' must be a number in [0, {MAX_TEMPERATURE:g}]",
     "top_p": "'top_p' must be a number in (0, 1]",
     "seed": "'seed' must be a non-negative integer below 2**64",
+    "pask.max_latency_ms": "'pask.max_latency_ms' must be a positive number",
+    "pask.max_kv_mb": "'pask.max_kv_mb' must be a positive number",
 }
 _EXPECTED = {
     "string_type": "a string",
@@ -362,6 +374,8 @@ class ChatRequest:
     max_tokens_given: bool = False
     prompt_tools: list[dict] = field(default_factory=list)  # tools shown in the prompt
     tools: list[dict] = field(default_factory=list)  # tools the grammar offers
+    limits: dict | None = None  # the ``pask`` extension's limits (MetaKV), as given
+    choice: Any = None  # MetaKV's Choice for this request (set by a meta server)
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -589,7 +603,8 @@ def build_chat_request(body: dict, tok, model_name: str, default_max_tokens: int
     except PaskError as e:  # the runtime's own check of the sampling fields
         raise RequestError(str(e), param=next((k for k in _SAMPLING if k in str(e)), None)) from None
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return ChatRequest(request, mode, prompt, req.stream, include_usage, given is not None, shown, offered)
+    limits = req.pask.model_dump() if req.pask is not None else None
+    return ChatRequest(request, mode, prompt, req.stream, include_usage, given is not None, shown, offered, limits)
 
 
 def attach_tagging(chat: ChatRequest, tok) -> None:

@@ -31,6 +31,8 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
 from pask.errors import PaskError
+from pask.meta.selection import Constraints
+from pask.meta.selector import MetaSelector
 from pask.runtime.capacity import CapacityError
 from pask.runtime.models import LoadedModel
 from pask.runtime.scheduler import Job, Scheduler
@@ -128,6 +130,7 @@ class Service:
     worker: Worker
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     limits: Limits = field(default_factory=Limits)
+    selector: MetaSelector | None = None  # each request's configuration is chosen (pask serve --policy meta)
     preparing: int = field(default=0, init=False)  # requests past the queue check, not yet handed to the worker
 
     @property
@@ -140,13 +143,18 @@ class Service:
 
     @classmethod
     def build(cls, lm: LoadedModel, policy_factory: Callable, capacity_tokens: int | None = None, **kw) -> Service:
-        """A scheduler and its worker (not started) for ``lm``; ``kw``: Scheduler options, default_max_tokens
-        and limits (a :class:`Limits`; default: ``Limits()``)."""
+        """A scheduler and its worker (not started) for ``lm``; ``kw``: Scheduler options, default_max_tokens,
+        limits (a :class:`Limits`; default: ``Limits()``) and selector (a
+        :class:`~pask.meta.selector.MetaSelector`: ``policy_factory`` is then its union probe, and every
+        request gets the policy chosen for it)."""
         default = kw.pop("default_max_tokens", DEFAULT_MAX_TOKENS)
         limits = kw.pop("limits", None) or Limits()
+        selector = kw.pop("selector", None)
+        if selector is not None:
+            policy_factory = selector.probe
         scheduler = Scheduler(lm, policy_factory, capacity_tokens, **kw)
         metrics = Metrics(model=lm.name, policy=scheduler.policy_name)
-        return cls(lm, Worker(scheduler, metrics), default, limits)
+        return cls(lm, Worker(scheduler, metrics), default, limits, selector)
 
     def queue_depth(self) -> int:
         """Requests accepted and not yet decoding: being validated, or waiting for admission."""
@@ -168,10 +176,27 @@ class Service:
             sch.check(len(r.prompt_ids), r.max_new_tokens)
         except CapacityError as e:
             raise RequestError(str(e), param="messages", code="context_length_exceeded") from None
+        if chat.limits is not None and self.selector is None:
+            raise RequestError(
+                "'pask' limits choose a KV configuration per request, and this server runs one policy "
+                f"({sch.policy_name}); start it with --policy meta",
+                param="pask",
+            )
         if sch.needs_tags:
             with sch.tokenizer_lock:
                 attach_tagging(chat, tok)
+        if self.selector is not None:
+            given = Constraints(**chat.limits) if chat.limits is not None else None
+            chat.choice = self.selector.choose(r.prompt_ids, r.prompt_labels, given)
         return chat
+
+    def open(self, chat: ChatRequest):
+        """Hand a prepared request to the decode thread (with its chosen policy on a meta server)."""
+        policy = None
+        if chat.choice is not None:
+            policy = self.selector.policy(chat.choice.candidate)
+            self.metrics.chose(chat.choice.candidate)
+        return self.worker.open(chat.id, chat.request, policy)
 
 
 class _Guard:
@@ -318,7 +343,7 @@ def create_app(service: Service) -> FastAPI:
             return error(e)
         except Refusal as e:
             return refused(e)
-        job, events = service.worker.open(chat.id, chat.request)
+        job, events = service.open(chat)
         if chat.stream:
             body = _stream(service, chat, job, events, deadline, timeout)
             return StreamingResponse(body, media_type="text/event-stream")
@@ -342,6 +367,8 @@ def create_app(service: Service) -> FastAPI:
             "step_ms": round(job.step_ms, 3),
             "prefill_ms": round(job.prefill_ms, 3),
         }
+        if chat.choice is not None:
+            extra["meta"] = chat.choice.to_json()
         return completion_body(chat, name, job.result.text, job.stop, len(job.generated), extra)
 
     return app
@@ -443,7 +470,8 @@ async def _stream(
                 yield sse(chunk(chat, name, {"tool_calls": [{"index": i, **call}]}))
         elif len(text) > len(sent):
             yield sse(chunk(chat, name, {"content": text[len(sent) :]}))
-        yield sse(chunk(chat, name, {}, finish_reason(job.stop, calls)))
+        meta = {"pask": {"meta": chat.choice.to_json()}} if chat.choice is not None else {}
+        yield sse(chunk(chat, name, {}, finish_reason(job.stop, calls), **meta))
         if chat.include_usage:
             yield sse(chunk(chat, name, None, usage=usage(len(chat.request.prompt_ids), len(job.generated))))
         yield sse("[DONE]")

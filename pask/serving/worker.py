@@ -94,8 +94,9 @@ class Worker:
             job.cancelled = True
         self._inbox.put(("cancel", job_id))
 
-    def open(self, job_id: str, request) -> tuple[Job, asyncio.Queue]:
-        """Submit an engine request from a coroutine; its events arrive on the returned queue."""
+    def open(self, job_id: str, request, policy=None) -> tuple[Job, asyncio.Queue]:
+        """Submit an engine request from a coroutine (``policy``: its own, else the scheduler's
+        factory makes one); its events arrive on the returned queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -104,6 +105,7 @@ class Worker:
                 loop.call_soon_threadsafe(events.put_nowait, item)
 
         job = Job(job_id, request, on_token=lambda j, t: post(("token", t)), on_finish=lambda j: post(("done", j)))
+        job.policy = policy
         self.submit(job)
         return job, events
 
