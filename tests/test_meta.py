@@ -133,7 +133,7 @@ def test_fit_learns_the_synthetic_structure(predictor):
     assert by["kivi-4@0.33"].kv_mb == pytest.approx(by["full"].kv_mb * 0.34, rel=0.01)
     assert by["full"].latency_ms == pytest.approx(
         5 + 50 + (by["full"].n_out - 1) * (40 + 0.01 * (500 + by["full"].n_out / 2)), rel=0.02
-    )  # noqa: E501
+    )
     cv = predictor.fit["cv"]
     assert cv["folds"] == 3 and cv["n"] == 240 and cv["auc_mean"] > 0.6 and cv["mae_kv_mb"] < 0.5
 
