@@ -201,6 +201,16 @@ def test_cache_layouts_that_cannot_be_shared_are_refused(monkeypatch):
         MetaProbe.of({"snapkv": snap, "h2o": h2o})
 
 
+def test_a_server_selector_suggests_candidates_that_share_a_cache(monkeypatch, predictor):
+    monkeypatch.setenv("PASK_ALLOW_UNTUNED", "1")
+    cands = [Candidate("full"), Candidate("snapkv", 0.33), Candidate("h2o", 0.33), Candidate("kivi-2", 0.2)]
+    pred = MetaPredictor(**{**predictor.__dict__, "candidates": cands, "_models": {}})
+    sel = MetaSelector(pred)
+    with pytest.raises(PaskError, match=r"different windows.*e\.g\. --meta-candidates full,snapkv@0.33,kivi-2@0.2"):
+        sel.probe()
+    assert MetaSelector(pred, allowed=["full", "h2o@0.33"]).probe().step_attention
+
+
 def test_scheduler_refuses_a_preset_policy_it_cannot_run(smol):
     from pask.runtime.scheduler import Job, Scheduler
     from pask.runtime.tokens import Request

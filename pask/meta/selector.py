@@ -56,8 +56,19 @@ class MetaSelector:
         return FullPolicy() if base is None else copy.deepcopy(base)
 
     def probe(self) -> MetaProbe:
-        """The scheduler policy of a server offering these candidates (one cache layout for all)."""
-        return MetaProbe.of(self.policies)
+        """The scheduler policy of a server offering these candidates (one cache layout for all); the
+        error of candidates that cannot share one suggests the largest such subset, in order."""
+        try:
+            return MetaProbe.of(self.policies)
+        except PaskError as e:
+            fit: dict[str, Any] = {}
+            for name, policy in self.policies.items():
+                try:
+                    MetaProbe.of({**fit, name: policy})
+                    fit[name] = policy
+                except PaskError:
+                    continue
+            raise PaskError(f"{e}; e.g. --meta-candidates {','.join(fit)}") from None
 
 
 @dataclass
