@@ -168,8 +168,9 @@ def _meta_builder(task: str, meta: Path | None, max_latency_ms, max_kv_mb, budge
     limits = Constraints(check_limit(max_latency_ms, "--max-latency-ms"), check_limit(max_kv_mb, "--max-kv-mb"))
     load_predictor(meta, task=task)  # format and task now, the model's fingerprint after the load
 
-    def build(lm):
-        return MetaSelector(load_predictor(meta, lm.fingerprint, task), limits, fingerprint=lm.fingerprint)
+    def build(lm, batch_size: int):
+        pred = load_predictor(meta, lm.fingerprint, task)
+        return MetaSelector(pred, limits, fingerprint=lm.fingerprint, batch_size=batch_size)
 
     return build, json.dumps({"meta_sha256": file_sha256(meta), **limits.to_json()})
 
@@ -462,10 +463,11 @@ def eval_task(
     check_settings(out, settings, force)  # before the model loads; run_task checks again (a no-op)
     _threads(threads, prefill_store)
     lm = load_model(model, dtype=_dtype(dtype))
-    kv_policy = build(lm)
     selector = None
     if policy == "meta":
-        selector, kv_policy = kv_policy, None
+        selector, kv_policy = build(lm, batch_size), None
+    else:
+        kv_policy = build(lm)
     record = {"model": lm.name, "policy": policy, "budget": budget, "split": split, **t.run_record(limit, options)}
     record = _run_meta(record, table if policy == "pask" else None)
     if selector is not None:
@@ -1068,7 +1070,8 @@ def serve(
         from pask.meta.selector import MetaSelector
 
         path, defaults, allowed = meta_args
-        selector = MetaSelector(load_predictor(path, lm.fingerprint, "bfcl"), defaults, allowed, lm.fingerprint)
+        pred = load_predictor(path, lm.fingerprint, "bfcl")
+        selector = MetaSelector(pred, defaults, allowed, lm.fingerprint, max_batch)
         selector.probe()  # one running cache for every offered candidate, checked before serving
         factory = selector.probe
     else:
@@ -1093,6 +1096,10 @@ def meta_fit(
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = "bf16",
     folds: Annotated[int, typer.Option(help="cross-validation folds for the held-out errors (1: none)")] = 5,
+    timing: Annotated[
+        Path | None,
+        typer.Option(help="timing profile (`pask meta time`) for the latency lines (default: the cells' timings)"),
+    ] = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Fit MetaKV's predictors (output length, latency, KV bytes, P(correct)) on dev cells; write FILE.
@@ -1108,11 +1115,19 @@ def meta_fit(
     for c in config:
         if not c.is_file():
             raise PaskError(f"sweep config {c} does not exist")
+    profile = None
+    if timing is not None:
+        try:
+            profile = json.loads(timing.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            profile = None
+        if not isinstance(profile, dict) or not isinstance(profile.get("samples"), list):
+            raise PaskError(f"{timing} is not a timing profile (made by `pask meta time`)")
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
     t0 = time.perf_counter()
     record = {"command": _command(), "code_version": code_version(), "machine": machine()}
-    pred = fit_from_configs(config, lm, folds, record)
+    pred = fit_from_configs(config, lm, folds, record, profile)
     pred.fit["wall_s"] = round(time.perf_counter() - t0, 1)
     pred.save(out)
     cv = pred.fit.get("cv") or {}
@@ -1122,6 +1137,44 @@ def meta_fit(
         f"KV {cv.get('mae_kv_mb', '-')} MB, latency {cv.get('mae_latency_ms', '-')} ms"
     )
     console.print(f"predictor: {out}")
+
+
+@meta_app.command("time")
+@user_errors
+def meta_time(
+    config: Annotated[Path, typer.Option(help="sweep config of the candidates (its dev cases give the prompts)")],
+    out: Annotated[Path, typer.Option(help="result stem: writes .json and .md")],
+    model: ModelOpt = DEFAULT_MODEL,
+    dtype: DtypeOpt = "bf16",
+    batch_sizes: Annotated[str, typer.Option(help="comma-separated batch sizes to time")] = "1,16",
+    steps: Annotated[int, typer.Option(help="decode steps per run")] = 16,
+    group: Annotated[int, typer.Option(help="distinct prompts per length class (short / long)")] = 8,
+    threads: ThreadsOpt = None,
+    allow_dirty: Annotated[
+        bool, typer.Option(help="write into benchmarks/results/ even with uncommitted code changes")
+    ] = False,
+) -> None:
+    """Time every candidate in turn on the same dev prompts (prefill alone; decode steps at each batch
+    size): the latency profile `pask meta fit --timing` fits MetaKV's latency lines on."""
+    from pask.experiments.metakv import measure_timing, timing_markdown
+    from pask.experiments.provenance import check_clean, write_result
+    from pask.runtime.models import load_model
+
+    check_clean(out, allow_dirty)
+    if not config.is_file():
+        raise PaskError(f"sweep config {config} does not exist")
+    try:
+        sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise PaskError(f"--batch-sizes takes comma-separated integers, got {batch_sizes!r}") from None
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+    t0 = time.perf_counter()
+    samples = measure_timing(lm, config, sizes, steps, group, progress=lambda s: console.print(f"  {s}"))
+    data = {"config": str(config), "batch_sizes": sizes, "steps": steps, "group": group,
+            "threads": threads, "wall_s": round(time.perf_counter() - t0, 1), "samples": samples}  # fmt: skip
+    json_path, _ = write_result(out, data, timing_markdown(data), command=_command(), allow_dirty=allow_dirty)
+    console.print(f"results: {json_path}")
 
 
 @meta_app.command("csr")

@@ -275,3 +275,54 @@ def test_cli_meta_errors(tmp_path, smol):
     assert res.exit_code == 2 and "fit a predictor for it" in res.output
     res = runner.invoke(app, ["meta", "fit", "--config", str(tmp_path / "none.toml"), "--out", str(tmp_path / "p")])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+# -- the latency lines ------------------------------------------------------------------------------
+def test_timing_lines_interpolate_between_batch_sizes():
+    from pask.meta.predictor import interpolate, timing_lines
+
+    samples = [{"candidate": "full", "kind": "prefill", "batch": 1, "context": n, "ms": 2.0 * n} for n in (100, 300)]
+    for b, base in ((1, 50.0), (16, 200.0)):
+        for ctx in (200.0, 600.0):
+            samples.append({"candidate": "full", "kind": "step", "batch": b, "context": ctx, "ms": base + 0.1 * ctx})
+    lines = timing_lines(samples, ["full"])["full"]
+    assert lines["prefill"] == pytest.approx([0.0, 2.0], abs=1e-6)
+    assert lines["step"]["1"] == pytest.approx([50.0, 0.1]) and lines["step"]["16"] == pytest.approx([200.0, 0.1])
+    assert interpolate({1: 10.0, 16: 160.0}, 8) == pytest.approx(80.0)
+    assert interpolate({1: 10.0, 16: 160.0}, 32) == pytest.approx(320.0)  # the nearest two, extended
+    assert interpolate({4: 7.0}, 1) == 7.0
+    with pytest.raises(PaskError, match="no prefill or step samples of candidate kivi"):
+        timing_lines(samples, ["kivi"])
+
+
+def test_fit_with_a_timing_profile_uses_its_lines(predictor):
+    samples = []
+    for c in predictor.names:
+        samples += [{"candidate": c, "kind": "prefill", "batch": 1, "context": n, "ms": 1.0 * n} for n in (100, 300)]
+        samples += [{"candidate": c, "kind": "step", "batch": b, "context": 400, "ms": 10.0 * b} for b in (1, 16)]
+    pred = fit(_observations(40), CANDS, model_name="m", fingerprint="fp:1", task="sql", bytes_per_token=12288,
+               batch_size=16, max_new_tokens=64, folds=2, timing=samples)  # fmt: skip
+    assert pred.latency_ms("full", 200, 11) == pytest.approx(200 + 10 * 160)
+    assert pred.latency_ms("full", 200, 11, batch_size=1) == pytest.approx(200 + 10 * 10)
+    assert pred.fit["timing_residuals"] == {
+        "prefill_mae_ms": pytest.approx(0, abs=1e-6),
+        "step_mae_ms": pytest.approx(0, abs=1e-6),
+    }
+
+
+def test_measure_timing_times_every_candidate(smol, tmp_path, monkeypatch):
+    from pask.experiments.metakv import measure_timing
+
+    monkeypatch.delenv("PASK_PREFILL_STORE", raising=False)
+    cfg = tmp_path / "t.toml"
+    cfg.write_text('results_dir = "r"\nmodels = ["smollm2-135m"]\ntasks = ["sql"]\nsplits = ["dev"]\n'
+                   'policies = ["full", "kivi-4"]\nbudgets = [0.4]\n[sql]\nlimit = 6\n')  # fmt: skip
+    samples = measure_timing(smol, cfg, batch_sizes=(1, 2), steps=3, group=2)
+    for name in ("full", "kivi-4@0.4"):
+        mine = [x for x in samples if x["candidate"] == name]
+        assert sum(x["kind"] == "prefill" for x in mine) == 2 * (1 + 2)  # short and long, at batch 1 and 2
+        assert {x["batch"] for x in mine if x["kind"] == "step"} == {1, 2}
+        assert all(x["ms"] > 0 for x in mine)
+    monkeypatch.setenv("PASK_PREFILL_STORE", str(tmp_path))
+    with pytest.raises(PaskError, match="unset \\$PASK_PREFILL_STORE"):
+        measure_timing(smol, cfg)

@@ -216,7 +216,7 @@ def markdown(task: str, pred: MetaPredictor, result: dict[str, Any]) -> str:
         f"**{result['share_of_oracle_gain']:.1%}**",
         f"- predictors, dev {cv.get('folds', '?')}-fold held out: AUC {cv.get('auc_mean', '–')}, MAE output "
         f"{cv.get('mae_n_out', '–')} tokens, KV {cv.get('mae_kv_mb', '–')} MB, latency "
-        f"{cv.get('mae_latency_ms', '–')} ms (measured timings)",
+        f"{cv.get('mae_latency_ms', '–')} ms ({latency_basis(pred)})",
         f"- predictors on test: AUC {te.get('auc', '–')}, Brier {te.get('calibration', {}).get('brier', '–')}, MAE "
         f"output {te.get('mae_n_out', '–')} tokens, KV {te.get('mae_kv_mb', '–')} MB, latency "
         f"{te.get('mae_latency_ms', '–')} ms (fitted lines at the actual length: output-length error only)",
@@ -252,6 +252,17 @@ def markdown(task: str, pred: MetaPredictor, result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def latency_basis(pred: MetaPredictor) -> str:
+    """What the latency error is measured against."""
+    res = pred.fit.get("timing_residuals")
+    if res is None:
+        return "against the cells' measured timings"
+    return (
+        f"the timing profile's lines at the actual output length, i.e. the output-length part; the lines' own "
+        f"residuals on the profile: prefill {res['prefill_mae_ms']} ms, step {res['step_mae_ms']} ms"
+    )
+
+
 def heatmap(task: str, result: dict[str, Any], path: Path) -> None:
     """A heat map of MetaKV's CSR gain over the best static configuration."""
     import matplotlib
@@ -279,7 +290,9 @@ def heatmap(task: str, result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def fit_from_configs(configs: Sequence[Path | str], lm, folds: int = 5, meta: dict | None = None) -> MetaPredictor:
+def fit_from_configs(
+    configs: Sequence[Path | str], lm, folds: int = 5, meta: dict | None = None, timing: dict | None = None
+) -> MetaPredictor:
     """Fit MetaKV's predictors on the (calibration / dev) cells of sweep configs, one task."""
     from pask.runtime.capacity import kv_bytes_per_token
 
@@ -329,5 +342,112 @@ def fit_from_configs(configs: Sequence[Path | str], lm, folds: int = 5, meta: di
         batch_size=batch.pop(),
         max_new_tokens=max_new.pop(),
         folds=folds,
-        meta={**(meta or {}), "configs": [str(c) for c in configs], "cells": made},
-    )
+        meta={**(meta or {}), "configs": [str(c) for c in configs], "cells": made,
+              "timing": {k: v for k, v in (timing or {}).items() if k != "samples"} or None},
+        timing=timing["samples"] if timing is not None else None,
+    )  # fmt: skip
+
+
+# -- the timing profile ----------------------------------------------------------------------------
+def timing_prompts(cases: Sequence, lengths: Sequence[int], group: int) -> dict[str, list[int]]:
+    """Indices of the ``group`` shortest cases from the 20th length percentile up ("short") and the
+    ``group`` longest ("long")."""
+    order = sorted(range(len(cases)), key=lambda i: lengths[i])
+    start = min(int(0.2 * len(order)), max(len(order) - group, 0))
+    return {"short": order[start : start + group], "long": order[-group:]}
+
+
+def measure_timing(
+    lm,
+    config: Path | str,
+    batch_sizes: Sequence[int] = (1, 16),
+    steps: int = 16,
+    group: int = 8,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Every candidate of a sweep config timed in turn on the same dev prompts, on this machine.
+
+    Per candidate and batch size ``b``: ``b`` requests (``group`` prompts of one length class,
+    repeated to fill the batch) admitted together and decoded ``steps`` tokens under their grammar;
+    each request's prefill (alone, as the scheduler prefills) is a ``prefill`` sample, each request's
+    mean decode step a ``step`` sample at the batch's mean context. No prefill store may be set."""
+    import copy
+    import os
+
+    from pask.evaluation.runner import prepare
+    from pask.policies.full import FullPolicy
+    from pask.runtime.prefill_store import ENV
+    from pask.runtime.scheduler import Job, Scheduler
+
+    if os.environ.get(ENV):
+        raise PaskError(f"unset ${ENV}: a timing profile must prefill every prompt")
+    if steps < 2 or group < 1 or not batch_sizes or min(batch_sizes) < 1:
+        raise PaskError("steps >= 2, group >= 1 and batch sizes >= 1 are needed")
+    cfg = load_config(config)
+    if not cfg.cells:
+        raise PaskError(f"{config} has no cells")
+    cell0 = cfg.cells[0]
+    task = get_task(cell0.task)
+    cases = cell0.load_cases()
+    opts = {k: cell0.options[k] for k in task.options if k in cell0.options}
+    lengths = [len(task.request(c, lm.tokenizer, **opts).prompt_ids) for c in cases]
+    picks = timing_prompts(cases, lengths, group)
+    samples: list[dict] = []
+    for cell in cfg.cells:
+        cand = candidate_of(cell)
+        policy = cand.build(cell.task, lm.fingerprint)
+        for b in batch_sizes:
+            for kind, idx in picks.items():
+                chosen = [idx[i % len(idx)] for i in range(b)]
+                if progress:
+                    progress(f"{cand.name} batch {b} {kind}")
+                jobs = []
+                for i in chosen:
+                    req, err = prepare(task, lm, cases[i], steps, policy is not None and policy.needs_tags, **opts)
+                    if err is not None:
+                        raise PaskError(f"timing prompt {cases[i].id} cannot run: {err}")
+                    jobs.append(Job(str(len(jobs)), req))
+                base = policy if policy is not None else FullPolicy()
+                sch = Scheduler(lm, lambda base=base: copy.deepcopy(base), max_batch=b)
+                try:
+                    for j in jobs:
+                        sch.submit(j)
+                    sch.run_until_idle()
+                finally:
+                    sch.close()
+                ctx = float(np.mean([len(j.request.prompt_ids) + j.decode_steps / 2 for j in jobs]))
+                for j in jobs:
+                    n = len(j.request.prompt_ids)
+                    samples.append({"candidate": cand.name, "kind": "prefill", "batch": 1, "context": n,
+                                    "ms": round(j.prefill_ms, 3)})  # fmt: skip
+                    if j.decode_steps:
+                        samples.append({"candidate": cand.name, "kind": "step", "batch": b, "context": ctx,
+                                        "ms": round(j.step_ms, 3), "group": kind})  # fmt: skip
+    return samples
+
+
+def timing_markdown(data: dict) -> str:
+    """Per candidate: mean prefill ms per 100 prompt tokens and mean step ms per batch size / class."""
+    samples = data["samples"]
+    names = list(dict.fromkeys(x["candidate"] for x in samples))
+    sizes = data["batch_sizes"]
+    head = ["candidate", "prefill ms / 100 tok", *(f"step ms b{b} {g}" for b in sizes for g in ("short", "long"))]
+    lines = [
+        "# MetaKV timing profile",
+        "",
+        f"Every candidate of `{data['config']}` in turn, {data['steps']} decode steps per run, {data['group']} "
+        f"distinct prompts per length class; wall {data['wall_s']} s.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1),
+    ]
+    for n in names:
+        pre = [x for x in samples if x["candidate"] == n and x["kind"] == "prefill"]
+        row = [n, f"{100 * sum(x['ms'] for x in pre) / sum(x['context'] for x in pre):.1f}"]
+        for b in sizes:
+            for g in ("short", "long"):
+                st = [x["ms"] for x in samples if x["candidate"] == n and x["kind"] == "step" and x["batch"] == b
+                      and x.get("group") == g]  # fmt: skip
+                row.append(f"{np.mean(st):.1f}" if st else "–")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"

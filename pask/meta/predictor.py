@@ -11,11 +11,12 @@ candidate (a categorical input):
   token x (prompt tokens x the candidate's prompt ratio + predicted output x its decode ratio), the
   ratios being the candidate's mean measured ``B_P`` / ``B_D`` on the fit cells (exact for
   budget-controlled policies, the mix of a PASK table otherwise). MB = 10^6 bytes.
-- ``latency_ms`` = prefill + output tokens x decode step, each a least-squares line per candidate
-  fitted on the cells' measured timings: prefill on prompt tokens, the step on the mean context.
-  The timings are those of the machine and batch size the cells ran on (both recorded); the batch
-  size is an input of :meth:`MetaPredictor.predict` only in that a different one is refused by
-  the callers that know theirs (the latency of another batch size was not measured).
+- ``latency_ms`` = prefill + (output tokens - 1) x decode step. Per candidate, prefill is a
+  least-squares line on prompt tokens and the step a line on the mean context per batch size,
+  interpolated linearly between measured batch sizes (the nearest two beyond them). The lines
+  come from a timing profile (:func:`pask.experiments.metakv.measure_timing`: every candidate
+  timed in turn on the same prompts, so machine load does not favour one of them), or else from
+  the fit cells' own per-case timings at their batch size. Either way the machine is recorded.
 
 LightGBM models are stored as LightGBM's own text format inside the JSON (no pickle).
 """
@@ -98,6 +99,16 @@ class Prediction:
         }
 
 
+def interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through ``points`` (x -> y), extended by the nearest two beyond them."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    i = min(max(int(np.searchsorted(xs, x)), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
 def _line(x: np.ndarray, y: np.ndarray) -> list[float]:
     """Least-squares ``y = a + b x`` (``b`` 0 when x does not vary)."""
     if len(x) == 0:
@@ -120,7 +131,7 @@ class MetaPredictor:
     bytes_per_token: int
     batch_size: int
     max_new_tokens: int
-    latency: dict[str, dict[str, list[float]]]  # candidate -> {"prefill": [a, b], "step": [a, b]}
+    latency: dict[str, dict]  # candidate -> {"prefill": [a, b], "step": {batch size: [a, b]}}
     kv_ratios: dict[str, list[float]]  # candidate -> [B_P, B_D]
     boosters: dict[str, str]  # "correct" / "n_out" -> LightGBM model text
     fit: dict[str, Any] = field(default_factory=dict)  # provenance, data sizes, held-out errors
@@ -151,8 +162,11 @@ class MetaPredictor:
         row = [float(features[f]) for f in self.features]
         return chosen, np.array([[*row, float(index[n])] for n in chosen], dtype=np.float64)
 
-    def predict(self, features: dict[str, float], only: Sequence[str] | None = None) -> list[Prediction]:
-        """Predictions for every candidate (``only``: those) of a request with these features."""
+    def predict(
+        self, features: dict[str, float], only: Sequence[str] | None = None, batch_size: int | None = None
+    ) -> list[Prediction]:
+        """Predictions for every candidate (``only``: those) of a request with these features, its
+        latency at ``batch_size`` rows decoding together (None: the fit's :attr:`batch_size`)."""
         chosen, x = self.matrix(features, only)
         p = self._booster("correct").predict(x)
         n_out = np.clip(self._booster("n_out").predict(x), 1.0, float(self.max_new_tokens))
@@ -160,14 +174,17 @@ class MetaPredictor:
         out = []
         for name, pc, n in zip(chosen, p, n_out, strict=True):
             n = float(n)
-            out.append(Prediction(name, float(pc), n, self.latency_ms(name, prompt, n), self.kv_mb(name, prompt, n)))
+            lat = self.latency_ms(name, prompt, n, batch_size)
+            out.append(Prediction(name, float(pc), n, lat, self.kv_mb(name, prompt, n)))
         return out
 
-    def latency_ms(self, candidate: str, prompt_tokens: float, n_out: float) -> float:
-        """Prefill + ``n_out`` decode steps at the mean context, from the candidate's fitted lines."""
+    def latency_ms(self, candidate: str, prompt_tokens: float, n_out: float, batch_size: int | None = None) -> float:
+        """Prefill + ``n_out - 1`` decode steps at the mean context and ``batch_size`` rows."""
         lat = self.latency[candidate]
         prefill = lat["prefill"][0] + lat["prefill"][1] * prompt_tokens
-        step = lat["step"][0] + lat["step"][1] * (prompt_tokens + n_out / 2)
+        ctx = prompt_tokens + n_out / 2
+        steps = {int(b): a + s * ctx for b, (a, s) in lat["step"].items()}
+        step = interpolate(steps, self.batch_size if batch_size is None else batch_size)
         return max(prefill, 0.0) + max(n_out - 1, 0.0) * max(step, 0.0)
 
     def kv_mb(self, candidate: str, prompt_tokens: float, n_out: float) -> float:
@@ -213,7 +230,7 @@ class MetaPredictor:
                 bytes_per_token=int(data["bytes_per_token"]),
                 batch_size=int(data["batch_size"]),
                 max_new_tokens=int(data["max_new_tokens"]),
-                latency={k: {"prefill": list(v["prefill"]), "step": list(v["step"])} for k, v in lat.items()},
+                latency={k: _latency_entry(v) for k, v in lat.items()},
                 kv_ratios={k: [float(x) for x in v] for k, v in data["kv_ratios"].items()},
                 boosters={"correct": str(data["boosters"]["correct"]), "n_out": str(data["boosters"]["n_out"])},
                 fit=dict(data.get("fit") or {}),
@@ -229,6 +246,11 @@ class MetaPredictor:
         if missing:
             raise PaskError(f"{where}: no latency / KV fit for candidates {missing}")
         return pred
+
+
+def _latency_entry(v: dict) -> dict:
+    steps = {str(int(b)): [float(x) for x in line] for b, line in v["step"].items()}
+    return {"prefill": [float(x) for x in v["prefill"]], "step": steps}
 
 
 def load(path: Path | str, fingerprint: str | None = None, task: str | None = None) -> MetaPredictor:
@@ -271,7 +293,8 @@ def _train(obs: Sequence[Observation], order: list[str]) -> tuple[str, str]:
     return clf.model_to_string(), reg.model_to_string()
 
 
-def _timing_fits(obs: Sequence[Observation], order: list[str]) -> dict[str, dict[str, list[float]]]:
+def _timing_fits(obs: Sequence[Observation], order: list[str], batch_size: int) -> dict[str, dict]:
+    """Latency lines from the fit cells' own per-case timings (one batch size: the cells')."""
     out = {}
     for name in order:
         mine = [o for o in obs if o.candidate == name]
@@ -279,7 +302,26 @@ def _timing_fits(obs: Sequence[Observation], order: list[str]) -> dict[str, dict
         prefill = _line(prompt, np.array([o.prefill_ms for o in mine]))
         timed = [o for o in mine if o.n_generated > 1 and o.tpot_ms > 0]
         ctx = np.array([o.features["prompt_tokens"] + o.n_generated / 2 for o in timed])
-        out[name] = {"prefill": prefill, "step": _line(ctx, np.array([o.tpot_ms for o in timed]))}
+        out[name] = {"prefill": prefill, "step": {str(batch_size): _line(ctx, np.array([o.tpot_ms for o in timed]))}}
+    return out
+
+
+def timing_lines(samples: Sequence[dict], order: list[str]) -> dict[str, dict]:
+    """Latency lines from a timing profile's samples: ``{"candidate", "kind": "prefill" | "step",
+    "batch", "context", "ms"}`` (prefill: context = prompt tokens; step: the batch's mean context)."""
+    out = {}
+    for name in order:
+        pre = [x for x in samples if x["candidate"] == name and x["kind"] == "prefill"]
+        steps = [x for x in samples if x["candidate"] == name and x["kind"] == "step"]
+        if not pre or not steps:
+            raise PaskError(f"the timing profile has no prefill or step samples of candidate {name}")
+        line = _line(np.array([x["context"] for x in pre], dtype=float), np.array([x["ms"] for x in pre], dtype=float))
+        by_batch: dict[str, list[float]] = {}
+        for b in sorted({int(x["batch"]) for x in steps}):
+            mine = [x for x in steps if int(x["batch"]) == b]
+            ctx = np.array([x["context"] for x in mine], dtype=float)
+            by_batch[str(b)] = _line(ctx, np.array([x["ms"] for x in mine], dtype=float))
+        out[name] = {"prefill": line, "step": by_batch}
     return out
 
 
@@ -359,9 +401,11 @@ def fit(
     max_new_tokens: int,
     folds: int = 5,
     meta: dict | None = None,
+    timing: Sequence[dict] | None = None,
 ) -> MetaPredictor:
     """Fit every predictor on ``obs`` (dev / calibration cases of every candidate); ``folds``-fold
-    cross-validation by case gives the held-out errors recorded in ``fit["cv"]``."""
+    cross-validation by case gives the held-out errors recorded in ``fit["cv"]``. ``timing``: a
+    timing profile's samples (:func:`timing_lines`) for the latency lines; None: the cells' timings."""
     order = names(candidates)
     present = {o.candidate for o in obs}
     absent = [n for n in order if n not in present]
@@ -371,9 +415,10 @@ def fit(
 
     def one(data: Sequence[Observation]) -> MetaPredictor:
         clf, reg = _train(data, order)
+        lines = timing_lines(timing, order) if timing is not None else _timing_fits(data, order, batch_size)
         return MetaPredictor(
             model_name, fingerprint, task, list(candidates), bytes_per_token, batch_size, max_new_tokens,
-            _timing_fits(data, order), _kv_fits(data, order), {"correct": clf, "n_out": reg},
+            lines, _kv_fits(data, order), {"correct": clf, "n_out": reg},
         )  # fmt: skip
 
     cv: dict[str, Any] = {}
@@ -388,7 +433,7 @@ def fit(
             test = [o for o in obs if fold_of[o.case_id] == k]
             preds.append((one(train), test))
             held.extend(test)
-        parts = [errors(p, t) for p, t in preds]
+        parts = [errors(p, t, _at_actual_length(p) if timing is not None else None) for p, t in preds]
         total = sum(p["n"] for p in parts)
         cv = {
             "folds": folds,
@@ -398,4 +443,28 @@ def fit(
         }
     pred = one(obs)
     pred.fit = {**(meta or {}), "n_rows": len(obs), "n_cases": len({o.case_id for o in obs}), "cv": cv}
+    if timing is not None:
+        pred.fit["timing_residuals"] = timing_residuals(pred, timing)
     return pred
+
+
+def _at_actual_length(pred: MetaPredictor):
+    """A case's latency from the fitted lines at its actual output length (with a timing profile the
+    cells' own timings are not the profile's machine state: only the output length is compared)."""
+    return lambda o: pred.latency_ms(o.candidate, o.features["prompt_tokens"], float(o.n_generated))
+
+
+def timing_residuals(pred: MetaPredictor, samples: Sequence[dict]) -> dict:
+    """Mean absolute error of the latency lines on the timing profile's own samples (ms)."""
+    pre, step = [], []
+    for x in samples:
+        lat = pred.latency.get(x["candidate"])
+        if lat is None:
+            continue
+        if x["kind"] == "prefill":
+            pre.append(abs(lat["prefill"][0] + lat["prefill"][1] * x["context"] - x["ms"]))
+        elif str(int(x["batch"])) in lat["step"]:
+            a, b = lat["step"][str(int(x["batch"]))]
+            step.append(abs(a + b * x["context"] - x["ms"]))
+    return {"prefill_mae_ms": round(float(np.mean(pre)), 2) if pre else None,
+            "step_mae_ms": round(float(np.mean(step)), 2) if step else None}  # fmt: skip

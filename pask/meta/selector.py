@@ -32,6 +32,7 @@ class MetaSelector:
     defaults: Constraints = field(default_factory=Constraints)
     allowed: Sequence[str] | None = None  # None: every candidate
     fingerprint: str | None = None
+    batch_size: int | None = None  # rows decoding together, for the latency (None: the predictor's)
     policies: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -48,7 +49,8 @@ class MetaSelector:
 
     def choose(self, prompt_ids: Sequence[int], prompt_labels, constraints: Constraints | None = None) -> Choice:
         feats = request_features(prompt_ids, prompt_labels)
-        return select(self.predictor.predict(feats, self.allowed), self.defaults.merged(constraints))
+        preds = self.predictor.predict(feats, self.allowed, self.batch_size)
+        return select(preds, self.defaults.merged(constraints))
 
     def policy(self, name: str):
         """A fresh policy instance of candidate ``name`` (Full KV: :class:`FullPolicy`)."""
