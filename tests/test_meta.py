@@ -326,3 +326,30 @@ def test_measure_timing_times_every_candidate(smol, tmp_path, monkeypatch):
     monkeypatch.setenv("PASK_PREFILL_STORE", str(tmp_path))
     with pytest.raises(PaskError, match="unset \\$PASK_PREFILL_STORE"):
         measure_timing(smol, cfg)
+
+
+# -- constrained success ---------------------------------------------------------------------------
+def test_csr_grid_bounds_and_oracle(predictor):
+    from pask.experiments.metakv import evaluate, grid_limits, markdown
+
+    dev, test = _observations(60, seed=1), _observations(60, seed=2)
+    for o in test:
+        o.case_id = o.case_id.replace("dev/", "test/")
+    limits = grid_limits(predictor, dev)
+    assert len(limits["latency_ms"]) == len(limits["kv_mb"]) == 5
+    assert limits["kv_mb"] == sorted(limits["kv_mb"], reverse=True)  # loose to tight
+    res = evaluate(predictor, dev, test, limits)
+    assert len(res["grid"]) == 25 and res["n_test_cases"] == 60
+    for g in res["grid"]:
+        assert 0 <= g["meta"] <= g["oracle"] <= 1 and g["best_static_csr"] <= g["oracle"]
+        assert sum(g["picked"].values()) == 60 and g["best_static"] in predictor.names
+        assert max(g["static"].values()) <= g["oracle"]
+    loosest, tightest = res["grid"][0], res["grid"][-1]
+    assert loosest["oracle"] >= tightest["oracle"]
+    md = markdown("sql", predictor, res)
+    assert "CSR gain of MetaKV" in md and md.count("\n| ") > 50
+    with pytest.raises(PaskError, match="no dev cases of the reference candidate 'h2o'"):
+        grid_limits(predictor, dev, reference="h2o")
+    short = [o for o in test if not (o.case_id == "test/0" and o.candidate == "full")]
+    with pytest.raises(PaskError, match="lack some candidate's result"):
+        evaluate(predictor, dev, short, limits)
