@@ -243,6 +243,11 @@ def markdown(task: str, pred: MetaPredictor, result: dict[str, Any]) -> str:
             f"{c['best_static_csr']:.4f} | {c['oracle']:.4f} | {c['discordant'][0]} / {c['discordant'][1]} | "
             f"{c['sign_p']:.3f} | {picked} |"
         )
+    rel = te.get("calibration", {}).get("reliability", [])
+    if rel:
+        lines += ["", "P(correct) on test, reliability (mean predicted vs observed rate per bin):", "",
+                  "| bin | cases | predicted | observed |", "|---|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {r['bin']} | {r['n']} | {r['predicted']:.3f} | {r['observed']:.3f} |" for r in rel]
     lines += ["", "Every static configuration's CSR per limit:", ""]
     lines.append("| latency ms | KV MB | " + " | ".join(pred.names) + " |")
     lines.append("|---:|---:|" + "---:|" * len(pred.names))
