@@ -1086,6 +1086,61 @@ def serve(
     run_server(service, host, port)
 
 
+@app.command("calibrate-bellows")
+@user_errors
+def calibrate_bellows(
+    out: Annotated[Path, typer.Option(help="the projections file to write (safetensors)")],
+    n: Annotated[int, typer.Option(help="adjacent layers sharing one latent")] = 4,
+    model: ModelOpt = DEFAULT_MODEL,
+    task: Annotated[str, typer.Option(help="whose prompts: calibration split to fit, dev split held out")] = "bfcl",
+    cases: Annotated[int, typer.Option(help="calibration prompts to fit on")] = 64,
+    held_cases: Annotated[int, typer.Option(help="dev prompts for the held-out error (0: none)")] = 32,
+    ridge: Annotated[float, typer.Option(help="ridge term, relative to the mean diagonal of X^T X")] = 1e-4,
+    dtype: DtypeOpt = "bf16",
+    threads: ThreadsOpt = None,
+    report: Annotated[
+        Path | None, typer.Option(help="also write the per-layer error table here (STEM.md / .json, with provenance)")
+    ] = None,
+    allow_dirty: Annotated[
+        bool, typer.Option(help="write --report into benchmarks/results/ even with uncommitted code changes")
+    ] = False,
+) -> None:
+    """BellowsKV (issue 32): fit each layer's projection from its group's shared latent (the group's
+    first-layer normed input) to its pre-RoPE keys and values; print the per-layer error table."""
+    from pask.calibration.bellows import fit, markdown
+    from pask.experiments.provenance import check_clean, write_result
+    from pask.runtime.models import load_model
+    from pask.tasks import get_task
+
+    if cases < 1 or held_cases < 0:
+        raise PaskError("--cases must be >= 1 and --held-cases >= 0")
+    if report is not None:
+        check_clean(report, allow_dirty)
+    t = get_task(task)
+    opts = t.resolve_options({})
+    fit_cases = t.cases("calibration", None, **opts)
+    held = t.cases("dev", None, **opts) if held_cases else []
+    _threads(threads)
+    lm = load_model(model, dtype=_dtype(dtype))
+
+    def prompts(cs: list, k: int) -> list[list[int]]:
+        step = max(len(cs) // k, 1)  # spread over the split (its categories come in blocks)
+        return [t.request(c, lm.tokenizer, **opts).prompt_ids for c in cs[::step][:k]]
+
+    fit_p, held_p = prompts(fit_cases, cases), prompts(held, held_cases) if held_cases else []
+    t0 = time.perf_counter()
+    total = len(fit_p) + len(held_p)
+    proj = _with_progress(f"bellows n={n}", total, lambda advance: fit(lm, fit_p, held_p, n, ridge, advance))
+    proj.meta |= {"task": task, "wall_s": round(time.perf_counter() - t0, 1), "command": _command()}
+    proj.save(out)
+    md = markdown(proj, lm.model.config)
+    if report is not None:
+        data = {"model": lm.name, "n": n, "ridge": ridge, "errors": proj.errors, "meta": proj.meta}
+        write_result(report, data, md, command=_command(), allow_dirty=allow_dirty)
+    print(md, end="")
+    console.print(f"projections: {out}")
+
+
 @meta_app.command("fit")
 @user_errors
 def meta_fit(

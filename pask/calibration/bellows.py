@@ -1,0 +1,284 @@
+"""BellowsKV's shared latent and its per-layer projections (issue 32, first step: the fit).
+
+BellowsKV stores one vector per token for each group of ``n`` adjacent layers, and each layer of
+the group reads its keys and values from it through its own projection. Choices the abstract
+leaves open, made here:
+
+- **Groups**: layers ``[0, n)``, ``[n, 2n)``, ...; a last group may be shorter when ``n`` does not
+  divide the layer count.
+- **Latent**: the input hidden state of the group's first layer after that layer's input norm
+  (RMSNorm, its weight included). The first layer's own ``k_proj`` / ``v_proj`` (bias included)
+  then reconstruct its keys and values exactly, and no extra norm is needed at read time.
+- **Projections**: the first layer's are its own weights; every other layer's is an affine
+  least-squares map latent -> [pre-RoPE keys, values], fitted in float64 on calibration-split
+  activations with a ridge term ``ridge x mean(diag(X^T X))`` on the weights (not the bias).
+  RoPE is applied after reconstruction, at the token's position, as the layer does itself.
+- **Errors**: relative RMS error ``sqrt(SSE / sum of squares about the mean)`` per layer, for keys
+  and values apart, on the fit tokens and on held-out (dev) tokens. The sums are accumulated per
+  prompt (``X^T X``, ``X^T Y``, ``Y^T Y``), so no activation is kept.
+
+The file is a safetensors file (``weight.<layer>``: ``[hidden + 1, 2 x kv_dim]`` float32, the
+bias in the last row) with the metadata (format, model fingerprint, ``n``, ridge, errors) in its
+header, tied to the model's fingerprint like a PASK table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pask.errors import PaskError
+
+FORMAT = "pask-bellows/1"
+
+
+def groups(num_layers: int, n: int) -> list[range]:
+    """The layer groups of size ``n`` (the last one shorter if ``n`` does not divide ``num_layers``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= num_layers:
+        raise PaskError(f"--n must be an integer in [1, {num_layers}] (the model's layers), got {n!r}")
+    return [range(s, min(s + n, num_layers)) for s in range(0, num_layers, n)]
+
+
+def _layers(model) -> list:
+    inner = getattr(model, "model", model)
+    return list(inner.layers)
+
+
+def _kv_dim(model) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return int((getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim)
+
+
+def own_projection(layer) -> torch.Tensor:
+    """A layer's own affine map from its normed input to [keys, values]: ``[hidden + 1, 2 kv_dim]``."""
+    att = layer.self_attn
+    with torch.no_grad():
+        w = torch.cat([att.k_proj.weight, att.v_proj.weight], dim=0).T.float()
+        kb = att.k_proj.bias if att.k_proj.bias is not None else torch.zeros(att.k_proj.out_features)
+        vb = att.v_proj.bias if att.v_proj.bias is not None else torch.zeros(att.v_proj.out_features)
+        bias = torch.cat([kb, vb]).float().to(w.device)
+        return torch.cat([w, bias[None]], dim=0).detach()
+
+
+class _Capture:
+    """Forward hooks: each layer's normed input and its k_proj / v_proj outputs for one forward."""
+
+    def __init__(self, model) -> None:
+        self.normed: dict[int, torch.Tensor] = {}
+        self.kv: dict[int, list[torch.Tensor]] = {}
+        self.handles = []
+        for i, layer in enumerate(_layers(model)):
+            self.handles.append(layer.input_layernorm.register_forward_hook(self._norm(i)))
+            self.handles.append(layer.self_attn.k_proj.register_forward_hook(self._proj(i, 0)))
+            self.handles.append(layer.self_attn.v_proj.register_forward_hook(self._proj(i, 1)))
+
+    def _norm(self, i: int) -> Callable:
+        def hook(module, args, out) -> None:
+            self.normed[i] = out.detach()[0].double()
+
+        return hook
+
+    def _proj(self, i: int, slot: int) -> Callable:
+        def hook(module, args, out) -> None:
+            self.kv.setdefault(i, [None, None])[slot] = out.detach()[0].double()
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@dataclass
+class Moments:
+    """Accumulated ``X^T X`` per group, ``X^T Y``, ``Y^T Y`` (diagonal: K and V apart), sum and count per layer."""
+
+    xtx: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [d+1, d+1]
+    xty: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [d+1, 2kv]
+    yty: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [2kv] (column sums of squares)
+    ysum: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [2kv]
+    tokens: int = 0
+
+    def add(self, group_of: list[range], cap: _Capture) -> None:
+        n_tok = None
+        for g, layers in enumerate(group_of):
+            x = cap.normed[layers.start]
+            n_tok = x.shape[0]
+            x = torch.cat([x, torch.ones(n_tok, 1, dtype=x.dtype)], dim=1)
+            self.xtx[g] = self.xtx.get(g, 0) + x.T @ x
+            for layer in layers:
+                y = torch.cat(cap.kv[layer], dim=1)
+                self.xty[layer] = self.xty.get(layer, 0) + x.T @ y
+                self.yty[layer] = self.yty.get(layer, 0) + (y * y).sum(0)
+                self.ysum[layer] = self.ysum.get(layer, 0) + y.sum(0)
+        self.tokens += n_tok or 0
+
+
+def collect(model, prompts: Sequence[Sequence[int]], n: int, progress: Callable[[int], None] | None = None) -> Moments:
+    """The moments of the latents and K/V of ``prompts`` (each run alone through the model)."""
+    group_of = groups(len(_layers(model)), n)
+    cap = _Capture(model)
+    mom = Moments()
+    try:
+        with torch.inference_mode():
+            for ids in prompts:
+                model(torch.tensor([list(ids)]), use_cache=False)
+                mom.add(group_of, cap)
+                cap.normed.clear()
+                cap.kv.clear()
+                if progress:
+                    progress(1)
+    finally:
+        cap.close()
+    return mom
+
+
+def rel_errors(w: torch.Tensor, mom: Moments, layer: int, group: int, kv_dim: int) -> tuple[float, float]:
+    """Relative RMS error of ``X w`` against the layer's [K, V] from the moments: (keys, values)."""
+    xtx, xty, yty, ysum = mom.xtx[group], mom.xty[layer], mom.yty[layer], mom.ysum[layer]
+    w = w.double()
+    sse = yty - 2 * (w * xty).sum(0) + (w * (xtx @ w)).sum(0)  # per column
+    ss = yty - ysum * ysum / max(mom.tokens, 1)
+    out = []
+    for cols in (slice(0, kv_dim), slice(kv_dim, 2 * kv_dim)):
+        num, den = float(sse[cols].sum().clamp_min(0)), float(ss[cols].sum())
+        out.append(math.sqrt(num / den) if den > 0 else 0.0)
+    return out[0], out[1]
+
+
+@dataclass
+class LatentProjections:
+    """The fitted projections of one model at one ``n`` (see the module docstring)."""
+
+    model_name: str
+    fingerprint: str
+    n: int
+    ridge: float
+    weights: dict[int, torch.Tensor]  # layer -> [hidden + 1, 2 kv_dim] float32
+    errors: list[dict]  # per layer: group, first, fit / held-out relative errors of K and V
+    meta: dict = field(default_factory=dict)
+
+    def save(self, path: Path | str) -> None:
+        from safetensors.torch import save_file
+
+        header = {
+            "format": FORMAT,
+            "model": self.model_name,
+            "fingerprint": self.fingerprint,
+            "n": str(self.n),
+            "ridge": repr(self.ridge),
+            "errors": json.dumps(self.errors),
+            "meta": json.dumps(self.meta),
+        }
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file({f"weight.{i}": w.contiguous() for i, w in self.weights.items()}, str(path), metadata=header)
+
+
+def load(path: Path | str, fingerprint: str | None = None) -> LatentProjections:
+    """A projections file, checked against the loaded model's fingerprint (None: not checked)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise PaskError(f"BellowsKV projections file {path} does not exist (make one with `pask calibrate-bellows`)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            head = f.metadata() or {}
+            weights = {int(k.split(".")[1]): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as e:
+        raise PaskError(f"{path} is not a BellowsKV projections file: {e}") from None
+    if head.get("format") != FORMAT:
+        raise PaskError(f"{path} is not a BellowsKV projections file (format {head.get('format')!r})")
+    if fingerprint is not None and head.get("fingerprint") != fingerprint:
+        raise PaskError(
+            f"{path} was fitted for model {head.get('model')} ({head.get('fingerprint')}), not this model "
+            f"({fingerprint}): fit projections for it (`pask calibrate-bellows`)"
+        )
+    return LatentProjections(head["model"], head["fingerprint"], int(head["n"]), float(head["ridge"]), weights,
+                             json.loads(head["errors"]), json.loads(head.get("meta", "{}")))  # fmt: skip
+
+
+def fit(
+    lm,
+    fit_prompts: Sequence[Sequence[int]],
+    held_prompts: Sequence[Sequence[int]],
+    n: int,
+    ridge: float = 1e-4,
+    progress: Callable[[int], None] | None = None,
+) -> LatentProjections:
+    """Fit every layer's projection from its group's latent (module docstring); errors on both sets."""
+    if not math.isfinite(ridge) or ridge < 0:
+        raise PaskError(f"--ridge must be a finite number >= 0, got {ridge}")
+    if not fit_prompts:
+        raise PaskError("no prompts to fit on")
+    model = lm.model
+    layers = _layers(model)
+    group_of = groups(len(layers), n)
+    kv = _kv_dim(model)
+    fit_m = collect(model, fit_prompts, n, progress)
+    held_m = collect(model, held_prompts, n, progress) if held_prompts else None
+    weights: dict[int, torch.Tensor] = {}
+    errors = []
+    for g, members in enumerate(group_of):
+        xtx = fit_m.xtx[g]
+        reg = torch.zeros_like(xtx)
+        d = xtx.shape[0] - 1
+        reg[:d, :d] = torch.eye(d, dtype=xtx.dtype) * ridge * float(xtx.diagonal()[:d].mean())
+        for layer in members:
+            if layer == members.start:
+                w = own_projection(layers[layer]).double()
+            else:
+                w = torch.linalg.solve(xtx + reg, fit_m.xty[layer])
+            weights[layer] = w.float()
+            row = {"layer": layer, "group": g, "first": layer == members.start}
+            row["fit_k"], row["fit_v"] = (round(x, 5) for x in rel_errors(w, fit_m, layer, g, kv))
+            if held_m is not None:
+                row["held_k"], row["held_v"] = (round(x, 5) for x in rel_errors(w, held_m, layer, g, kv))
+            errors.append(row)
+    meta = {"fit_tokens": fit_m.tokens, "held_tokens": held_m.tokens if held_m else 0,
+            "fit_prompts": len(fit_prompts), "held_prompts": len(held_prompts)}  # fmt: skip
+    return LatentProjections(lm.name, lm.fingerprint, n, ridge, weights, errors, meta)
+
+
+def compression(model_config, n: int, latent_bits: int = 16, quant_group: int = 32) -> float:
+    """Full-KV bytes of a group's ``n`` layers over one BF16 / packed latent per token (scales included:
+    a bf16 scale and zero per ``quant_group`` values below 16 bits)."""
+    cfg = model_config
+    hidden = cfg.hidden_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    full = n * 2 * kv_heads * head_dim * 2
+    latent = hidden * 2 if latent_bits >= 16 else hidden * latent_bits / 8 + math.ceil(hidden / quant_group) * 4
+    return full / latent
+
+
+def markdown(proj: LatentProjections, model_config=None) -> str:
+    """The per-layer reconstruction-error table of a projections file."""
+    lines = [
+        f"# BellowsKV latent projections: {proj.model_name}, n = {proj.n}",
+        "",
+        f"Latent: each group's first-layer input after its input norm; ridge {proj.ridge:g}; fitted on "
+        f"{proj.meta.get('fit_prompts')} prompts ({proj.meta.get('fit_tokens')} tokens), held out "
+        f"{proj.meta.get('held_prompts')} prompts ({proj.meta.get('held_tokens')} tokens).",
+    ]
+    if model_config is not None:
+        parts = ", ".join(f"{b}-bit {compression(model_config, proj.n, b):.2f}x" for b in (16, 8, 4, 2))
+        lines += ["", f"Compression over Full KV per token for a full group of {proj.n} layers: {parts}."]
+    lines += [
+        "",
+        "Relative RMS error of the reconstructed pre-RoPE keys / values (about their mean):",
+        "",
+        "| layer | group | fit K | fit V | held-out K | held-out V |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in proj.errors:
+        mark = " (own)" if r["first"] else ""
+        lines.append(f"| {r['layer']}{mark} | {r['group']} | {r['fit_k']:.4f} | {r['fit_v']:.4f} | "
+                     f"{r.get('held_k', float('nan')):.4f} | {r.get('held_v', float('nan')):.4f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
