@@ -376,13 +376,12 @@ def measure_timing(
     repeated to fill the batch) admitted together and decoded ``steps`` tokens under their grammar;
     each request's prefill (alone, as the scheduler prefills) is a ``prefill`` sample, each request's
     mean decode step a ``step`` sample at the batch's mean context. No prefill store may be set."""
-    import copy
     import os
 
     from pask.evaluation.runner import prepare
-    from pask.policies.full import FullPolicy
+    from pask.runtime.engine import run_jobs
     from pask.runtime.prefill_store import ENV
-    from pask.runtime.scheduler import Job, Scheduler
+    from pask.runtime.scheduler import Job
 
     if os.environ.get(ENV):
         raise PaskError(f"unset ${ENV}: a timing profile must prefill every prompt")
@@ -412,14 +411,7 @@ def measure_timing(
                     if err is not None:
                         raise PaskError(f"timing prompt {cases[i].id} cannot run: {err}")
                     jobs.append(Job(str(len(jobs)), req))
-                base = policy if policy is not None else FullPolicy()
-                sch = Scheduler(lm, lambda base=base: copy.deepcopy(base), max_batch=b)
-                try:
-                    for j in jobs:
-                        sch.submit(j)
-                    sch.run_until_idle()
-                finally:
-                    sch.close()
+                run_jobs(lm, jobs, policy, max_batch=b)
                 ctx = float(np.mean([len(j.request.prompt_ids) + j.decode_steps / 2 for j in jobs]))
                 for j in jobs:
                     n = len(j.request.prompt_ids)

@@ -15,7 +15,7 @@ from pask.runtime.models import LoadedModel
 from pask.runtime.scheduler import Job, Scheduler
 from pask.runtime.tokens import Generation, Request
 
-__all__ = ["Generation", "Request", "generate"]
+__all__ = ["Generation", "Request", "generate", "run_jobs"]
 
 
 def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config=None) -> list[Generation]:
@@ -30,16 +30,26 @@ def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config
     """
     if not requests:
         return []
+    jobs = run_jobs(lm, [Job(id=str(i), request=r) for i, r in enumerate(requests)], policy, cache_config)
+    for job in jobs:
+        if job.result is None:
+            raise RuntimeError(f"request {job.id} ended without a result ({job.stop}: {job.error})")
+    return [job.result for job in jobs]
+
+
+def run_jobs(
+    lm: LoadedModel, jobs: list[Job], policy=None, cache_config=None, max_batch: int | None = None
+) -> list[Job]:
+    """Admit ``jobs`` (at most ``max_batch`` running; None: all at once) and decode until every one
+    ends; returns them, with their timings (``prefill_ms``, ``step_ms``) and results. ``policy``
+    (None: Full KV) is copied for each job."""
     base = policy if policy is not None else FullPolicy()
-    jobs = [Job(id=str(i), request=r) for i, r in enumerate(requests)]
-    sch = Scheduler(lm, lambda: copy.deepcopy(base), cache_config=cache_config or CacheConfig(), max_batch=len(jobs))
+    config = cache_config or CacheConfig()
+    sch = Scheduler(lm, lambda: copy.deepcopy(base), cache_config=config, max_batch=max_batch or len(jobs))
     try:
         for job in jobs:
             sch.submit(job)
         sch.run_until_idle()
     finally:
         sch.close()
-    for job in jobs:
-        if job.result is None:
-            raise RuntimeError(f"request {job.id} ended without a result ({job.stop}: {job.error})")
-    return [job.result for job in jobs]
+    return jobs
