@@ -1202,8 +1202,8 @@ def meta_time(
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = "bf16",
     batch_sizes: Annotated[str, typer.Option(help="comma-separated batch sizes to time")] = "1,16",
-    steps: Annotated[int, typer.Option(help="decode steps per run")] = 16,
-    group: Annotated[int, typer.Option(help="distinct prompts per length class (short / long)")] = 8,
+    steps: Annotated[int, typer.Option(help="decode steps per run")] = 12,
+    group: Annotated[int, typer.Option(help="distinct prompts per length class (short / long)")] = 4,
     threads: ThreadsOpt = None,
     allow_dirty: Annotated[
         bool, typer.Option(help="write into benchmarks/results/ even with uncommitted code changes")

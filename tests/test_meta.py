@@ -320,7 +320,8 @@ def test_measure_timing_times_every_candidate(smol, tmp_path, monkeypatch):
     samples = measure_timing(smol, cfg, batch_sizes=(1, 2), steps=3, group=2)
     for name in ("full", "kivi-4@0.4"):
         mine = [x for x in samples if x["candidate"] == name]
-        assert sum(x["kind"] == "prefill" for x in mine) == 2 * (1 + 2)  # short and long, at batch 1 and 2
+        assert sum(x["kind"] == "prefill" for x in mine) == 2 * 2  # two short and two long prompts, alone
+        assert sum(x["kind"] == "step" and x["batch"] == 2 for x in mine) == 2  # one batched run per class
         assert {x["batch"] for x in mine if x["kind"] == "step"} == {1, 2}
         assert all(x["ms"] > 0 for x in mine)
     monkeypatch.setenv("PASK_PREFILL_STORE", str(tmp_path))

@@ -366,21 +366,25 @@ def measure_timing(
     lm,
     config: Path | str,
     batch_sizes: Sequence[int] = (1, 16),
-    steps: int = 16,
-    group: int = 8,
+    steps: int = 12,
+    group: int = 4,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Every candidate of a sweep config timed in turn on the same dev prompts, on this machine.
 
-    Per candidate and batch size ``b``: ``b`` requests (``group`` prompts of one length class,
-    repeated to fill the batch) admitted together and decoded ``steps`` tokens under their grammar;
-    each request's prefill (alone, as the scheduler prefills) is a ``prefill`` sample, each request's
-    mean decode step a ``step`` sample at the batch's mean context. No prefill store may be set."""
+    Per candidate: each of ``group`` short and ``group`` long prompts alone (batch 1): its prefill
+    (computed, no store) is a ``prefill`` sample and its mean decode step a batch-1 ``step`` sample;
+    then per larger batch size ``b`` and length class, ``b`` requests (the class's prompts repeated)
+    admitted together and decoded ``steps`` tokens under their grammar: their mean decode step is a
+    ``step`` sample at the batch's mean context. The batched runs load their prompts' prefills from a
+    private prefill store (the prefill was timed at batch 1; a prompt's first load computes it), so
+    their cost is the decode. ``$PASK_PREFILL_STORE`` must be unset."""
     import os
+    import tempfile
 
     from pask.evaluation.runner import prepare
     from pask.runtime.engine import run_jobs
-    from pask.runtime.prefill_store import ENV
+    from pask.runtime.prefill_store import ENV, PrefillStore
     from pask.runtime.scheduler import Job
 
     if os.environ.get(ENV):
@@ -397,29 +401,43 @@ def measure_timing(
     lengths = [len(task.request(c, lm.tokenizer, **opts).prompt_ids) for c in cases]
     picks = timing_prompts(cases, lengths, group)
     samples: list[dict] = []
-    for cell in cfg.cells:
-        cand = candidate_of(cell)
-        policy = cand.build(cell.task, lm.fingerprint)
-        for b in batch_sizes:
+
+    def jobs_of(indices: list[int], tagging: bool) -> list:
+        out = []
+        for i in indices:
+            req, err = prepare(task, lm, cases[i], steps, tagging, **opts)
+            if err is not None:
+                raise PaskError(f"timing prompt {cases[i].id} cannot run: {err}")
+            out.append(Job(str(len(out)), req))
+        return out
+
+    with tempfile.TemporaryDirectory(prefix="pask-timing-") as tmp:
+        store = PrefillStore(tmp, lm.model)
+        for cell in cfg.cells:
+            cand = candidate_of(cell)
+            policy = cand.build(cell.task, lm.fingerprint)
+            tagging = policy is not None and policy.needs_tags
             for kind, idx in picks.items():
-                chosen = [idx[i % len(idx)] for i in range(b)]
                 if progress:
-                    progress(f"{cand.name} batch {b} {kind}")
-                jobs = []
-                for i in chosen:
-                    req, err = prepare(task, lm, cases[i], steps, policy is not None and policy.needs_tags, **opts)
-                    if err is not None:
-                        raise PaskError(f"timing prompt {cases[i].id} cannot run: {err}")
-                    jobs.append(Job(str(len(jobs)), req))
-                run_jobs(lm, jobs, policy, max_batch=b)
-                ctx = float(np.mean([len(j.request.prompt_ids) + j.decode_steps / 2 for j in jobs]))
-                for j in jobs:
+                    progress(f"{cand.name} batch 1 {kind}")
+                for i in idx:
+                    (j,) = run_jobs(lm, jobs_of([i], tagging), policy, max_batch=1)
                     n = len(j.request.prompt_ids)
                     samples.append({"candidate": cand.name, "kind": "prefill", "batch": 1, "context": n,
                                     "ms": round(j.prefill_ms, 3)})  # fmt: skip
-                    if j.decode_steps:
-                        samples.append({"candidate": cand.name, "kind": "step", "batch": b, "context": ctx,
-                                        "ms": round(j.step_ms, 3), "group": kind})  # fmt: skip
+                    if j.decode_steps and 1 in batch_sizes:
+                        samples.append({"candidate": cand.name, "kind": "step", "batch": 1,
+                                        "context": n + j.decode_steps / 2, "ms": round(j.step_ms, 3), "group": kind})  # fmt: skip  # noqa: E501
+            for b in (b for b in batch_sizes if b > 1):
+                for kind, idx in picks.items():
+                    if progress:
+                        progress(f"{cand.name} batch {b} {kind}")
+                    jobs = run_jobs(lm, jobs_of([idx[k % len(idx)] for k in range(b)], tagging), policy,
+                                    max_batch=b, store=store)  # fmt: skip
+                    ctx = float(np.mean([len(j.request.prompt_ids) + j.decode_steps / 2 for j in jobs]))
+                    ms = [j.step_ms for j in jobs if j.decode_steps]
+                    samples.append({"candidate": cand.name, "kind": "step", "batch": b, "context": ctx,
+                                    "ms": round(float(np.mean(ms)), 3), "group": kind})  # fmt: skip
     return samples
 
 

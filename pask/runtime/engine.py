@@ -38,14 +38,15 @@ def generate(lm: LoadedModel, requests: list[Request], policy=None, cache_config
 
 
 def run_jobs(
-    lm: LoadedModel, jobs: list[Job], policy=None, cache_config=None, max_batch: int | None = None
+    lm: LoadedModel, jobs: list[Job], policy=None, cache_config=None, max_batch: int | None = None, store=None
 ) -> list[Job]:
     """Admit ``jobs`` (at most ``max_batch`` running; None: all at once) and decode until every one
     ends; returns them, with their timings (``prefill_ms``, ``step_ms``) and results. ``policy``
-    (None: Full KV) is copied for each job."""
+    (None: Full KV) is copied for each job; ``store``: a prefill store (None: ``$PASK_PREFILL_STORE``)."""
     base = policy if policy is not None else FullPolicy()
     config = cache_config or CacheConfig()
-    sch = Scheduler(lm, lambda: copy.deepcopy(base), cache_config=config, max_batch=max_batch or len(jobs))
+    batch = max_batch or len(jobs)
+    sch = Scheduler(lm, lambda: copy.deepcopy(base), cache_config=config, max_batch=batch, store=store)
     try:
         for job in jobs:
             sch.submit(job)
