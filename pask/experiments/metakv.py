@@ -96,7 +96,7 @@ def cell_observations(
                     cand.name, feats[key], bool(r.get("correct")), int(r.get("n_generated") or 0),
                     float(r.get("prefill_ms") or 0.0), float(r.get("tpot_ms") or 0.0),
                     float(b.get("b_prompt", 1.0)), float(b.get("b_decode", 1.0)), int(b.get("held_bytes", 0)),
-                    f"{cell.split}/{r['id']}",
+                    f"{cell.split}/{r['id']}", str(r.get("db_id") or ""),
                 )
             )  # fmt: skip
         cands.append(cand)
@@ -124,16 +124,22 @@ def _by_case(obs: Sequence[Observation]) -> dict[str, dict[str, Observation]]:
 
 
 def grid_limits(pred: MetaPredictor, dev: Sequence[Observation], reference: str = "full") -> dict[str, list[float]]:
-    """Latency and KV limits from loose to tight: quantiles of the reference candidate's dev cases."""
+    """Latency and KV limits from loose to tight, from dev cases only: latency at the 95 / 80 / 60 /
+    40 / 20th percentile of the reference candidate's; KV log-spaced from the 90th percentile of the
+    reference's down to the 10th percentile of the candidate holding the fewest bytes (so the tight
+    end binds the compressed candidates too, not Full KV alone)."""
     lat = actual_latency(pred)
     ref = [o for o in dev if o.candidate == reference]
     if not ref:
         raise PaskError(f"no dev cases of the reference candidate '{reference}'")
     lats = np.array([lat(o) for o in ref])
-    kvs = np.array([o.held_bytes / 1e6 for o in ref])
+    kv_of = {n: np.array([o.held_bytes / 1e6 for o in dev if o.candidate == n]) for n in pred.names}
+    smallest = min((n for n in kv_of if len(kv_of[n])), key=lambda n: float(np.mean(kv_of[n])))
+    hi = float(np.quantile(kv_of[reference], 0.9))
+    lo = float(np.quantile(kv_of[smallest], 0.1))
     return {
         "latency_ms": [round(float(np.quantile(lats, q)), 1) for q in (0.95, 0.8, 0.6, 0.4, 0.2)],
-        "kv_mb": [round(float(np.quantile(kvs, q)), 3) for q in (0.9, 0.6, 0.4, 0.2, 0.05)],
+        "kv_mb": [round(float(x), 3) for x in np.geomspace(hi, lo, 5)],
     }
 
 
