@@ -1096,6 +1096,9 @@ def calibrate_bellows(
     cases: Annotated[int, typer.Option(help="calibration prompts to fit on")] = 64,
     held_cases: Annotated[int, typer.Option(help="dev prompts for the held-out error (0: none)")] = 32,
     ridge: Annotated[float, typer.Option(help="ridge term, relative to the mean diagonal of X^T X")] = 1e-4,
+    latent: Annotated[
+        str, typer.Option(help="first: the group's first-layer normed input; middle: its lower-middle layer's")
+    ] = "first",
     dtype: DtypeOpt = "bf16",
     threads: ThreadsOpt = None,
     report: Annotated[
@@ -1107,13 +1110,14 @@ def calibrate_bellows(
 ) -> None:
     """BellowsKV (issue 32): fit each layer's projection from its group's shared latent (the group's
     first-layer normed input) to its pre-RoPE keys and values; print the per-layer error table."""
-    from pask.calibration.bellows import fit, markdown
+    from pask.calibration.bellows import fit, markdown, source
     from pask.experiments.provenance import check_clean, write_result
     from pask.runtime.models import load_model
     from pask.tasks import get_task
 
     if cases < 1 or held_cases < 0:
         raise PaskError("--cases must be >= 1 and --held-cases >= 0")
+    source(range(1), latent)  # --latent checked before the model loads
     if report is not None:
         check_clean(report, allow_dirty)
     t = get_task(task)
@@ -1130,12 +1134,12 @@ def calibrate_bellows(
     fit_p, held_p = prompts(fit_cases, cases), prompts(held, held_cases) if held_cases else []
     t0 = time.perf_counter()
     total = len(fit_p) + len(held_p)
-    proj = _with_progress(f"bellows n={n}", total, lambda advance: fit(lm, fit_p, held_p, n, ridge, advance))
+    proj = _with_progress(f"bellows n={n}", total, lambda advance: fit(lm, fit_p, held_p, n, ridge, advance, latent))
     proj.meta |= {"task": task, "wall_s": round(time.perf_counter() - t0, 1), "command": _command()}
     proj.save(out)
     md = markdown(proj, lm.model.config)
     if report is not None:
-        data = {"model": lm.name, "n": n, "ridge": ridge, "errors": proj.errors, "meta": proj.meta}
+        data = {"model": lm.name, "n": n, "latent": latent, "ridge": ridge, "errors": proj.errors, "meta": proj.meta}
         write_result(report, data, md, command=_command(), allow_dirty=allow_dirty)
     print(md, end="")
     console.print(f"projections: {out}")

@@ -48,10 +48,10 @@ def test_first_layer_reconstructs_its_own_kv_exactly(smol):
 
 def test_n1_is_exact_and_the_error_sums_match_a_direct_computation(smol):
     one = fit(smol, PROMPTS, HELD, n=1)
-    assert all(r["first"] and r["fit_k"] < 1e-3 and r["held_v"] < 1e-3 for r in one.errors)
+    assert all(r["own"] and r["fit_k"] < 1e-3 and r["held_v"] < 1e-3 for r in one.errors)
     two = fit(smol, PROMPTS, HELD, n=2, ridge=1e-3)
     second = next(r for r in two.errors if r["layer"] == 3)
-    assert not second["first"] and second["group"] == 1
+    assert not second["own"] and second["group"] == 1
     # the moments' error equals the error computed on the stored activations
     cap = _Capture(smol.model)
     rows_x, rows_y = [], []
@@ -118,3 +118,15 @@ def test_calibrate_bellows_cli(tmp_path):
                        (["--ridge", "nan"], "--ridge must be")):  # fmt: skip
         res = runner.invoke(app, [*args, "--held-cases", "0", "--cases", "1", *bad])
         assert res.exit_code == 2 and match in res.output, res.output
+
+
+def test_middle_latent_is_exact_for_its_source(smol):
+    from pask.calibration.bellows import source
+
+    assert source(range(4, 8), "middle") == 5 and source(range(0, 8), "middle") == 3 and source(range(4, 8)) == 4
+    mid = fit(smol, PROMPTS, HELD, n=4, latent="middle")
+    own = {r["layer"] for r in mid.errors if r["own"]}
+    assert own == {1, 5, 9, 13, 17, 21, 25, 28}  # the last group is 28-29
+    assert all(r["fit_k"] < 1e-3 and r["fit_v"] < 1e-3 for r in mid.errors if r["own"])
+    with pytest.raises(PaskError, match="--latent must be one of first, middle"):
+        fit(smol, PROMPTS, [], n=2, latent="last")

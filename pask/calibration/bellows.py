@@ -6,10 +6,14 @@ leaves open, made here:
 
 - **Groups**: layers ``[0, n)``, ``[n, 2n)``, ...; a last group may be shorter when ``n`` does not
   divide the layer count.
-- **Latent**: the input hidden state of the group's first layer after that layer's input norm
-  (RMSNorm, its weight included). The first layer's own ``k_proj`` / ``v_proj`` (bias included)
-  then reconstruct its keys and values exactly, and no extra norm is needed at read time.
-- **Projections**: the first layer's are its own weights; every other layer's is an affine
+- **Latent**: the input hidden state of one layer of the group (its *source*) after that layer's
+  input norm (RMSNorm, its weight included): the first layer (``latent="first"``, the default) or
+  the lower middle one (``"middle"``: layer ``start + (len - 1) // 2``, nearer to the group's far
+  ends). The source's own ``k_proj`` / ``v_proj`` (bias included) then reconstruct its keys and
+  values exactly, and no extra norm is needed at read time. Any layer of the group may be the
+  source: a token's latent is needed only once it has left the recent window, after its forward
+  through the whole group.
+- **Projections**: the source's are its own weights; every other layer's is an affine
   least-squares map latent -> [pre-RoPE keys, values], fitted in float64 on calibration-split
   activations with a ridge term ``ridge x mean(diag(X^T X))`` on the weights (not the bias).
   RoPE is applied after reconstruction, at the token's position, as the layer does itself.
@@ -35,6 +39,14 @@ import torch
 from pask.errors import PaskError
 
 FORMAT = "pask-bellows/1"
+LATENTS = ("first", "middle")
+
+
+def source(layers: range, latent: str = "first") -> int:
+    """The layer whose normed input is the group's latent (module docstring)."""
+    if latent not in LATENTS:
+        raise PaskError(f"--latent must be one of {', '.join(LATENTS)}, got {latent!r}")
+    return layers.start if latent == "first" else layers.start + (len(layers) - 1) // 2
 
 
 def groups(num_layers: int, n: int) -> list[range]:
@@ -105,10 +117,10 @@ class Moments:
     ysum: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [2kv]
     tokens: int = 0
 
-    def add(self, group_of: list[range], cap: _Capture) -> None:
+    def add(self, group_of: list[range], cap: _Capture, latent: str = "first") -> None:
         n_tok = None
         for g, layers in enumerate(group_of):
-            x = cap.normed[layers.start]
+            x = cap.normed[source(layers, latent)]
             n_tok = x.shape[0]
             x = torch.cat([x, torch.ones(n_tok, 1, dtype=x.dtype)], dim=1)
             self.xtx[g] = self.xtx.get(g, 0) + x.T @ x
@@ -120,7 +132,13 @@ class Moments:
         self.tokens += n_tok or 0
 
 
-def collect(model, prompts: Sequence[Sequence[int]], n: int, progress: Callable[[int], None] | None = None) -> Moments:
+def collect(
+    model,
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    progress: Callable[[int], None] | None = None,
+    latent: str = "first",
+) -> Moments:
     """The moments of the latents and K/V of ``prompts`` (each run alone through the model)."""
     group_of = groups(len(_layers(model)), n)
     cap = _Capture(model)
@@ -129,7 +147,7 @@ def collect(model, prompts: Sequence[Sequence[int]], n: int, progress: Callable[
         with torch.inference_mode():
             for ids in prompts:
                 model(torch.tensor([list(ids)]), use_cache=False)
-                mom.add(group_of, cap)
+                mom.add(group_of, cap, latent)
                 cap.normed.clear()
                 cap.kv.clear()
                 if progress:
@@ -161,8 +179,9 @@ class LatentProjections:
     n: int
     ridge: float
     weights: dict[int, torch.Tensor]  # layer -> [hidden + 1, 2 kv_dim] float32
-    errors: list[dict]  # per layer: group, first, fit / held-out relative errors of K and V
+    errors: list[dict]  # per layer: group, own (the source), fit / held-out relative errors of K and V
     meta: dict = field(default_factory=dict)
+    latent: str = "first"
 
     def save(self, path: Path | str) -> None:
         from safetensors.torch import save_file
@@ -172,6 +191,7 @@ class LatentProjections:
             "model": self.model_name,
             "fingerprint": self.fingerprint,
             "n": str(self.n),
+            "latent": self.latent,
             "ridge": repr(self.ridge),
             "errors": json.dumps(self.errors),
             "meta": json.dumps(self.meta),
@@ -201,7 +221,8 @@ def load(path: Path | str, fingerprint: str | None = None) -> LatentProjections:
             f"({fingerprint}): fit projections for it (`pask calibrate-bellows`)"
         )
     return LatentProjections(head["model"], head["fingerprint"], int(head["n"]), float(head["ridge"]), weights,
-                             json.loads(head["errors"]), json.loads(head.get("meta", "{}")))  # fmt: skip
+                             json.loads(head["errors"]), json.loads(head.get("meta", "{}")),
+                             head.get("latent", "first"))  # fmt: skip
 
 
 def fit(
@@ -211,6 +232,7 @@ def fit(
     n: int,
     ridge: float = 1e-4,
     progress: Callable[[int], None] | None = None,
+    latent: str = "first",
 ) -> LatentProjections:
     """Fit every layer's projection from its group's latent (module docstring); errors on both sets."""
     if not math.isfinite(ridge) or ridge < 0:
@@ -220,9 +242,10 @@ def fit(
     model = lm.model
     layers = _layers(model)
     group_of = groups(len(layers), n)
+    source(group_of[0], latent)  # the choice is checked before any forward
     kv = _kv_dim(model)
-    fit_m = collect(model, fit_prompts, n, progress)
-    held_m = collect(model, held_prompts, n, progress) if held_prompts else None
+    fit_m = collect(model, fit_prompts, n, progress, latent)
+    held_m = collect(model, held_prompts, n, progress, latent) if held_prompts else None
     weights: dict[int, torch.Tensor] = {}
     errors = []
     for g, members in enumerate(group_of):
@@ -231,19 +254,17 @@ def fit(
         d = xtx.shape[0] - 1
         reg[:d, :d] = torch.eye(d, dtype=xtx.dtype) * ridge * float(xtx.diagonal()[:d].mean())
         for layer in members:
-            if layer == members.start:
-                w = own_projection(layers[layer]).double()
-            else:
-                w = torch.linalg.solve(xtx + reg, fit_m.xty[layer])
+            own = layer == source(members, latent)
+            w = own_projection(layers[layer]).double() if own else torch.linalg.solve(xtx + reg, fit_m.xty[layer])
             weights[layer] = w.float()
-            row = {"layer": layer, "group": g, "first": layer == members.start}
+            row = {"layer": layer, "group": g, "own": own}
             row["fit_k"], row["fit_v"] = (round(x, 5) for x in rel_errors(w, fit_m, layer, g, kv))
             if held_m is not None:
                 row["held_k"], row["held_v"] = (round(x, 5) for x in rel_errors(w, held_m, layer, g, kv))
             errors.append(row)
     meta = {"fit_tokens": fit_m.tokens, "held_tokens": held_m.tokens if held_m else 0,
             "fit_prompts": len(fit_prompts), "held_prompts": len(held_prompts)}  # fmt: skip
-    return LatentProjections(lm.name, lm.fingerprint, n, ridge, weights, errors, meta)
+    return LatentProjections(lm.name, lm.fingerprint, n, ridge, weights, errors, meta, latent)
 
 
 def compression(model_config, n: int, latent_bits: int = 16, quant_group: int = 32) -> float:
@@ -263,7 +284,8 @@ def markdown(proj: LatentProjections, model_config=None) -> str:
     lines = [
         f"# BellowsKV latent projections: {proj.model_name}, n = {proj.n}",
         "",
-        f"Latent: each group's first-layer input after its input norm; ridge {proj.ridge:g}; fitted on "
+        f"Latent: each group's {'first' if proj.latent == 'first' else 'lower-middle'}-layer input after its "
+        f"input norm; ridge {proj.ridge:g}; fitted on "
         f"{proj.meta.get('fit_prompts')} prompts ({proj.meta.get('fit_tokens')} tokens), held out "
         f"{proj.meta.get('held_prompts')} prompts ({proj.meta.get('held_tokens')} tokens).",
     ]
@@ -278,7 +300,7 @@ def markdown(proj: LatentProjections, model_config=None) -> str:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in proj.errors:
-        mark = " (own)" if r["first"] else ""
+        mark = " (own)" if r["own"] else ""
         lines.append(f"| {r['layer']}{mark} | {r['group']} | {r['fit_k']:.4f} | {r['fit_v']:.4f} | "
                      f"{r.get('held_k', float('nan')):.4f} | {r.get('held_v', float('nan')):.4f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
