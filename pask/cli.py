@@ -79,6 +79,15 @@ PrefillStoreOpt = Annotated[
     typer.Option(help="reuse prompt prefills across runs from this directory (sets $PASK_PREFILL_STORE)"),
 ]
 DtypeOpt = Annotated[str, typer.Option(help="weights' dtype: bf16, fp32 or fp16")]
+MetaOpt = Annotated[Path | None, typer.Option(help="--policy meta: the MetaKV predictor file (`pask meta fit`)")]
+MaxLatencyOpt = Annotated[
+    float | None,
+    typer.Option(help="--policy meta: latency limit in ms (serve: the default; a request's own overrides it)"),
+]
+MaxKvOpt = Annotated[
+    float | None,
+    typer.Option(help="--policy meta: KV limit in MB = 10^6 bytes (serve: the default; a request's own overrides it)"),
+]
 ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads (default: torch's choice)")]
 
 
@@ -154,22 +163,29 @@ def _policy_builder(task: str, policy: str, budget: float | None, config: str | 
     return build
 
 
-def _meta_builder(task: str, meta: Path | None, max_latency_ms, max_kv_mb, budget, table, policy_config):
-    """Check `pask eval --policy meta`'s options before the model loads; return (``lm -> MetaSelector``,
-    the settings' record of the predictor and limits)."""
+def _meta_options(task: str, meta: Path | None, max_latency_ms, max_kv_mb, budget, table, policy_config):
+    """`--policy meta`'s options (`pask eval`, `pask serve`), checked before the model loads: the
+    predictor (format and task; its model once loaded: ``MetaPredictor.check_model``) and the limits."""
     from pask.meta.predictor import load as load_predictor
     from pask.meta.selection import Constraints, check_limit
-    from pask.meta.selector import MetaSelector
 
     if meta is None:
         raise PaskError("--policy meta needs --meta FILE (a predictor made by `pask meta fit`)")
     if budget is not None or table is not None or policy_config is not None:
         raise PaskError("--policy meta takes its configurations from --meta, not --budget / --table / --policy-config")
     limits = Constraints(check_limit(max_latency_ms, "--max-latency-ms"), check_limit(max_kv_mb, "--max-kv-mb"))
-    load_predictor(meta, task=task)  # format and task now, the model's fingerprint after the load
+    return load_predictor(meta, task=task), limits
+
+
+def _meta_builder(task: str, meta: Path | None, max_latency_ms, max_kv_mb, budget, table, policy_config):
+    """`pask eval --policy meta`: (``(lm, batch_size) -> MetaSelector``, the settings' record of the
+    predictor and limits)."""
+    from pask.meta.selector import MetaSelector
+
+    pred, limits = _meta_options(task, meta, max_latency_ms, max_kv_mb, budget, table, policy_config)
 
     def build(lm, batch_size: int):
-        pred = load_predictor(meta, lm.fingerprint, task)
+        pred.check_model(lm.fingerprint)
         return MetaSelector(pred, limits, fingerprint=lm.fingerprint, batch_size=batch_size)
 
     return build, json.dumps({"meta_sha256": file_sha256(meta), **limits.to_json()})
@@ -414,15 +430,9 @@ def eval_task(
     force: Annotated[
         bool, typer.Option(help="--out holds results made with other settings: discard them and start over")
     ] = False,
-    meta: Annotated[
-        Path | None, typer.Option(help="--policy meta: the MetaKV predictor file (made by `pask meta fit`)")
-    ] = None,
-    max_latency_ms: Annotated[
-        float | None, typer.Option(help="--policy meta: each case's latency limit in ms (default: none)")
-    ] = None,
-    max_kv_mb: Annotated[
-        float | None, typer.Option(help="--policy meta: each case's KV limit in MB = 10^6 bytes (default: none)")
-    ] = None,
+    meta: MetaOpt = None,
+    max_latency_ms: MaxLatencyOpt = None,
+    max_kv_mb: MaxKvOpt = None,
 ) -> None:
     """Evaluate a model + KV policy on TASK; writes cases.jsonl, summary.json and summary.md.
 
@@ -997,15 +1007,9 @@ def serve(
         ),
     ] = None,
     docs: Annotated[bool, typer.Option(help="serve /docs, /redoc and /openapi.json")] = False,
-    meta: Annotated[
-        Path | None, typer.Option(help="--policy meta: the MetaKV predictor file (`pask meta fit`, task bfcl)")
-    ] = None,
-    max_latency_ms: Annotated[
-        float | None, typer.Option(help="--policy meta: default latency limit in ms (a request's own overrides it)")
-    ] = None,
-    max_kv_mb: Annotated[
-        float | None, typer.Option(help="--policy meta: default KV limit in MB = 10^6 bytes (a request's overrides it)")
-    ] = None,
+    meta: MetaOpt = None,
+    max_latency_ms: MaxLatencyOpt = None,
+    max_kv_mb: MaxKvOpt = None,
     meta_candidates: Annotated[
         str | None,
         typer.Option(help="--policy meta: comma-separated candidates to offer (default: all; one cache must fit them)"),
@@ -1038,7 +1042,9 @@ def serve(
         check_budget(budget, "--budget")
     if capacity_tokens is not None and capacity_tokens < 1:
         raise PaskError(f"--capacity-tokens must be >= 1, got {capacity_tokens}")
-    meta_args = _serve_meta_args(policy, meta, max_latency_ms, max_kv_mb, meta_candidates, budget, table, ray)
+    meta_args = _serve_meta_args(
+        policy, meta, max_latency_ms, max_kv_mb, meta_candidates, budget, table, policy_config, ray
+    )
     if policy not in ("pask", "meta"):
         serving_policy_factory(policy, budget, policy_config)  # fail before the model loads
     elif policy == "pask" and table is None:
@@ -1064,16 +1070,13 @@ def serve(
         return
     _threads(threads, prefill_store)
     lm = _serving_model(model, dtype)
-    selector = None
-    if meta_args is not None:
-        from pask.meta.predictor import load as load_predictor
+    selector = factory = None
+    if meta_args is not None:  # the scheduler is built from the selector's probe: one cache for all, checked
         from pask.meta.selector import MetaSelector
 
-        path, defaults, allowed = meta_args
-        pred = load_predictor(path, lm.fingerprint, "bfcl")
+        pred, defaults, allowed = meta_args
+        pred.check_model(lm.fingerprint)
         selector = MetaSelector(pred, defaults, allowed, lm.fingerprint, max_batch)
-        selector.probe()  # one running cache for every offered candidate, checked before serving
-        factory = selector.probe
     else:
         factory = serving_policy_factory(policy, budget, policy_config, table, lm.fingerprint, allow_transfer)
     service = Service.build(
@@ -1264,7 +1267,7 @@ def meta_csr(
     pred = load_predictor(predictor)
     _threads(threads)
     lm = load_model(model, dtype=_dtype(dtype))
-    pred = load_predictor(predictor, lm.fingerprint)
+    pred.check_model(lm.fingerprint)
     feats: dict = {}
     dev, test = [], []
     for c in dev_config:
@@ -1280,31 +1283,24 @@ def meta_csr(
     console.print(f"results: {json_path}")
 
 
-def _serve_meta_args(policy, meta, max_latency_ms, max_kv_mb, candidates, budget, table, ray):
-    """`pask serve --policy meta`'s options, checked before the model loads: (predictor path, default
+def _serve_meta_args(policy, meta, max_latency_ms, max_kv_mb, candidates, budget, table, policy_config, ray):
+    """`pask serve --policy meta`'s options, checked before the model loads: (predictor, default
     limits, offered candidates or None), or None for another policy."""
-    from pask.meta.predictor import load as load_predictor
-    from pask.meta.selection import Constraints, check_limit
-
     if policy != "meta":
         if meta is not None or max_latency_ms is not None or max_kv_mb is not None or candidates is not None:
             raise PaskError("--meta, --max-latency-ms, --max-kv-mb and --meta-candidates are options of --policy meta")
         return None
-    if meta is None:
-        raise PaskError("--policy meta needs --meta FILE (a predictor made by `pask meta fit --config ...`)")
-    if budget is not None or table is not None:
-        raise PaskError("--policy meta takes its configurations from --meta, not --budget / --table")
     if ray is not None:
         raise PaskError("--policy meta runs in one process for now: drop --ray / --replicas")
-    defaults = Constraints(check_limit(max_latency_ms, "--max-latency-ms"), check_limit(max_kv_mb, "--max-kv-mb"))
-    pred = load_predictor(meta, task="bfcl")  # served requests are tool calls / JSON: a bfcl predictor
+    # served requests are tool calls / JSON: a bfcl predictor
+    pred, defaults = _meta_options("bfcl", meta, max_latency_ms, max_kv_mb, budget, table, policy_config)
     allowed = None
     if candidates is not None:
         allowed = [c.strip() for c in candidates.split(",") if c.strip()]
         unknown = [c for c in allowed if c not in pred.names]
         if unknown or not allowed:
             raise PaskError(f"--meta-candidates: unknown {unknown or '(none given)'}; {meta} has {pred.names}")
-    return meta, defaults, allowed
+    return pred, defaults, allowed
 
 
 def _serving_model(model: str, dtype: str):

@@ -223,40 +223,31 @@ def run_task(
                 progress(1)
         runnable = [p for p in prepared if p[2] is None]
 
-        choices: dict[int, Any] = {}
+        choices: dict[int, Any] = {}  # MetaKV: runnable index -> its Choice
 
         def write(c, g: Generation, r: Request, i: int | None = None) -> None:
             row = case_row(task, c, g, r, save_tags, **options)
-            if i is not None and i in choices:
+            if i in choices:
                 row["meta"] = choices[i].to_json()
             f.write(json.dumps(row) + "\n")
+
+        def finished(i: int, g: Generation) -> None:
+            c, r, _ = runnable[i]
+            write(c, g, r, i)
+            f.flush()
+            if progress:
+                progress(1)
 
         if selector is not None:
             groups: dict[str, list[int]] = {}
             for i, (_, r, _) in enumerate(runnable):
                 choices[i] = selector.choose(r.prompt_ids, r.prompt_labels)
                 groups.setdefault(choices[i].candidate, []).append(i)
-
-            def finished_meta(i: int, g: Generation) -> None:
-                c, r, _ = runnable[i]
-                write(c, g, r, i)
-                f.flush()
-                if progress:
-                    progress(1)
-
             for name in selector.allowed:  # the candidates' order: one cache (and policy) per group
                 if name in groups:
                     items = ((i, runnable[i][1]) for i in groups[name])
-                    decode_continuous(lm, items, batch_size, selector.policy(name), finished_meta)
+                    decode_continuous(lm, items, batch_size, selector.policy(name), finished)
         elif batching == "continuous":
-
-            def finished(i: int, g: Generation) -> None:
-                c, r, _ = runnable[i]
-                write(c, g, r)
-                f.flush()
-                if progress:
-                    progress(1)
-
             decode_continuous(lm, ((i, r) for i, (_, r, _) in enumerate(runnable)), batch_size, policy, finished)
         else:
             for i in range(0, len(runnable), batch_size):

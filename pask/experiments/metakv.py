@@ -30,7 +30,7 @@ from pask.experiments.report import sign_test_p
 from pask.experiments.sweep import Cell, load_config, read_manifest
 from pask.meta.candidates import Candidate, candidate_name
 from pask.meta.features import request_features
-from pask.meta.predictor import MetaPredictor, Observation, errors, fit
+from pask.meta.predictor import MetaPredictor, Observation, actual_latency, errors, fit
 from pask.meta.selection import Constraints, select
 from pask.tasks import get_task
 
@@ -56,9 +56,10 @@ def cell_observations(
     feature_cache: dict | None = None,
     splits: Sequence[str] | None = None,
     only: Sequence[Candidate] | None = None,
-) -> tuple[list[Candidate], list[Observation], list[Cell]]:
-    """The candidates and per-case observations of every finished cell of a sweep config (``only``:
-    the cells of these candidates, which must all be there, with the same tables and configurations)."""
+) -> tuple[list[Candidate], list[Observation], list[tuple[Cell, Path]]]:
+    """The candidates, per-case observations and (cell, its directory) of every finished cell of a sweep
+    config (``only``: the cells of these candidates, which must all be there, with the same tables and
+    configurations)."""
     cfg = load_config(config)
     feats = feature_cache if feature_cache is not None else {}
     cands: list[Candidate] = []
@@ -100,18 +101,13 @@ def cell_observations(
                 )
             )  # fmt: skip
         cands.append(cand)
-        cells.append(cell)
+        cells.append((cell, cfg.results_dir / cell.rel_dir))
     if wanted is not None and (lacking := sorted(set(wanted) - {c.name for c in cands})):
         raise PaskError(f"{config} has no cells for candidates {lacking}")
     return cands, obs, cells
 
 
 # -- constrained success ----------------------------------------------------------------------------
-def actual_latency(pred: MetaPredictor) -> Callable[[Observation], float]:
-    """A case's latency under its candidate: the fitted lines with its actual output length."""
-    return lambda o: pred.latency_ms(o.candidate, o.features["prompt_tokens"], float(o.n_generated))
-
-
 def success(o: Observation, limits: Constraints, latency: Callable[[Observation], float]) -> bool:
     return o.correct and limits.met(latency(o), o.held_bytes / 1e6)
 
@@ -309,7 +305,7 @@ def fit_from_configs(
 
     cands: list[Candidate] = []
     obs: list[Observation] = []
-    cells: list[Cell] = []
+    cells: list[tuple[Cell, Path]] = []
     feats: dict = {}
     for config in configs:
         c, o, ce = cell_observations(config, lm.tokenizer, feats, FIT_SPLITS)
@@ -319,36 +315,34 @@ def fit_from_configs(
     if not cells:
         raise PaskError("no cells in the given configs")
     for what in ("task", "model", "dtype"):
-        values = {getattr(c, what) for c in cells}
+        values = {getattr(c, what) for c, _ in cells}
         if len(values) > 1:
             raise PaskError(f"MetaKV fits one {what} at a time; the cells have {sorted(values)}")
     seen: dict[str, Candidate] = {}
     for c in cands:  # the same candidate on two splits: one candidate, its observations pooled
         if seen.setdefault(c.name, c) != c:
             raise PaskError(f"candidate {c.name} appears with two configurations")
-    batch = {int(c.options.get("batch_size") or 0) for c in cells}
-    max_new = {int(c.options.get("max_new_tokens") or 0) for c in cells}
+    batch = {int(c.options.get("batch_size") or 0) for c, _ in cells}
+    max_new = {int(c.options.get("max_new_tokens") or 0) for c, _ in cells}
     if len(batch) > 1 or len(max_new) > 1:
         raise PaskError(f"the cells ran at different batch sizes {sorted(batch)} or allowances {sorted(max_new)}")
     made = []
-    for config in configs:  # where and with what the timings were measured
-        cfg = load_config(config)
-        for cell in cfg.cells:
-            man = read_manifest(cfg.results_dir / cell.rel_dir) or {}
-            run = (man.get("runs") or [{}])[-1]
-            made.append({
-                "cell": cell.name,
-                "commit": (man.get("code_version") or {}).get("commit"),
-                "machine": (run.get("machine") or {}).get("cpu_model"),
-                "threads": cell.threads,
-            })  # fmt: skip
+    for cell, cell_dir in cells:  # where and with what the cells were made
+        man = read_manifest(cell_dir) or {}
+        run = (man.get("runs") or [{}])[-1]
+        made.append({
+            "cell": cell.name,
+            "commit": (man.get("code_version") or {}).get("commit"),
+            "machine": (run.get("machine") or {}).get("cpu_model"),
+            "threads": cell.threads,
+        })  # fmt: skip
     dtype = next(lm.model.parameters()).dtype
     return fit(
         obs,
         list(seen.values()),
         model_name=lm.name,
         fingerprint=lm.fingerprint,
-        task=cells[0].task,
+        task=cells[0][0].task,
         bytes_per_token=kv_bytes_per_token(lm.model.config, dtype),
         batch_size=batch.pop(),
         max_new_tokens=max_new.pop(),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,9 +140,19 @@ class MetaPredictor:
     features: tuple[str, ...] = FEATURES
     _models: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    source: str = field(default="predictor", repr=False, compare=False)  # the file it was loaded from
+
     @property
     def names(self) -> list[str]:
         return names(self.candidates)
+
+    def check_model(self, fingerprint: str) -> None:
+        """:class:`PaskError` unless fitted for the model with this fingerprint."""
+        if self.fingerprint != fingerprint:
+            raise PaskError(
+                f"{self.source} was fitted for model {self.model_name} ({self.fingerprint}), not this model "
+                f"({fingerprint}): fit a predictor for it (`pask meta fit`)"
+            )
 
     # -- prediction -------------------------------------------------------------------------------
     def _booster(self, key: str):
@@ -265,11 +275,9 @@ def load(path: Path | str, fingerprint: str | None = None, task: str | None = No
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PaskError(f"{path} is not a MetaKV predictor file: {e}") from None
     pred = MetaPredictor.from_json(data, str(path))
-    if fingerprint is not None and pred.fingerprint != fingerprint:
-        raise PaskError(
-            f"{path} was fitted for model {pred.model_name} ({pred.fingerprint}), not this model ({fingerprint}): "
-            "fit a predictor for it (`pask meta fit`)"
-        )
+    pred.source = str(path)
+    if fingerprint is not None:
+        pred.check_model(fingerprint)
     if task is not None and pred.task != task:
         raise PaskError(f"{path} was fitted for task '{pred.task}', not '{task}'")
     return pred
@@ -297,16 +305,15 @@ def _train(obs: Sequence[Observation], order: list[str]) -> tuple[str, str]:
     return clf.model_to_string(), reg.model_to_string()
 
 
-def _timing_fits(obs: Sequence[Observation], order: list[str], batch_size: int) -> dict[str, dict]:
-    """Latency lines from the fit cells' own per-case timings (one batch size: the cells')."""
-    out = {}
-    for name in order:
-        mine = [o for o in obs if o.candidate == name]
-        prompt = np.array([o.features["prompt_tokens"] for o in mine])
-        prefill = _line(prompt, np.array([o.prefill_ms for o in mine]))
-        timed = [o for o in mine if o.n_generated > 1 and o.tpot_ms > 0]
-        ctx = np.array([o.features["prompt_tokens"] + o.n_generated / 2 for o in timed])
-        out[name] = {"prefill": prefill, "step": {str(batch_size): _line(ctx, np.array([o.tpot_ms for o in timed]))}}
+def _cell_samples(obs: Sequence[Observation], batch_size: int) -> list[dict]:
+    """The fit cells' own per-case timings as timing-profile samples (one batch size: the cells')."""
+    out = []
+    for o in obs:
+        prompt = o.features["prompt_tokens"]
+        out.append({"candidate": o.candidate, "kind": "prefill", "batch": 1, "context": prompt, "ms": o.prefill_ms})
+        if o.n_generated > 1 and o.tpot_ms > 0:
+            out.append({"candidate": o.candidate, "kind": "step", "batch": batch_size,
+                        "context": prompt + o.n_generated / 2, "ms": o.tpot_ms})  # fmt: skip
     return out
 
 
@@ -419,7 +426,7 @@ def fit(
 
     def one(data: Sequence[Observation]) -> MetaPredictor:
         clf, reg = _train(data, order)
-        lines = timing_lines(timing, order) if timing is not None else _timing_fits(data, order, batch_size)
+        lines = timing_lines(timing if timing is not None else _cell_samples(data, batch_size), order)
         return MetaPredictor(
             model_name, fingerprint, task, list(candidates), bytes_per_token, batch_size, max_new_tokens,
             lines, _kv_fits(data, order), {"correct": clf, "n_out": reg},
@@ -439,7 +446,7 @@ def fit(
             test = [o for o in obs if fold_of[o.group or o.case_id] == k]
             preds.append((one(train), test))
             held.extend(test)
-        parts = [errors(p, t, _at_actual_length(p) if timing is not None else None) for p, t in preds]
+        parts = [errors(p, t, actual_latency(p) if timing is not None else None) for p, t in preds]
         total = sum(p["n"] for p in parts)
         cv = {
             "folds": folds,
@@ -456,9 +463,10 @@ def fit(
     return pred
 
 
-def _at_actual_length(pred: MetaPredictor):
+def actual_latency(pred: MetaPredictor) -> Callable[[Observation], float]:
     """A case's latency from the fitted lines at its actual output length (with a timing profile the
-    cells' own timings are not the profile's machine state: only the output length is compared)."""
+    cells' own timings are not the profile's machine state: only the output length is compared; the
+    CSR evaluation's latency of a case that ran)."""
     return lambda o: pred.latency_ms(o.candidate, o.features["prompt_tokens"], float(o.n_generated))
 
 

@@ -104,8 +104,7 @@ class Worker:
             with contextlib.suppress(RuntimeError):  # the handler's loop is gone
                 loop.call_soon_threadsafe(events.put_nowait, item)
 
-        job = Job(job_id, request, on_token=lambda j, t: post(("token", t)), on_finish=lambda j: post(("done", j)))
-        job.policy = policy
+        job = Job(job_id, request, lambda j, t: post(("token", t)), lambda j: post(("done", j)), policy=policy)
         self.submit(job)
         return job, events
 
