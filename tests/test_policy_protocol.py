@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pask.errors import PaskError
 from pask.kv.actions import Action
 from pask.kv.cache import layer_groups
+from pask.kv.latent import LatentProjections
 from pask.policies import BASELINES, FullPolicy, get_policy, policy_names
 from pask.policies.base import Policy, PolicyBase, SeqContext
 from pask.policies.pask import PaskPolicy
@@ -45,17 +46,31 @@ def _table(target_b: float | None = 0.4, expected_b: float | None = 0.38) -> Fro
     return FrozenTable({}, "test", num_groups=GROUPS, recent_window=WINDOW, target_b=target_b, expected_b=expected_b)
 
 
+def _projections(n: int = 2) -> LatentProjections:
+    """BellowsKV projections for a 2-layer model of hidden 64 and 2 x 32 kv values (latent ratio 0.25 at n = 2)."""
+    w = {i: torch.zeros(65, 128) for i in range(LAYERS)}
+    return LatentProjections("test", "fp", n, 0.0, w, [])
+
+
 def _build(name: str, budget: float) -> Policy:
     if name in ("full", "static_mix"):
         return get_policy(name)
     if name == "pask":
         return get_policy(name, table=_table(target_b=budget))
+    if name == "bellows":
+        return get_policy(name, projections=_projections())
+    if name == "bellows-evict":
+        return get_policy(name, budget=_evict_budget(budget), projections=_projections())
     return get_policy(name, budget=budget)
+
+
+def _evict_budget(budget: float) -> float:
+    return 0.01 + budget * 0.2  # below the latent's ratio 0.25
 
 
 # -- the protocol's members ----------------------------------------------------------------------
 def test_the_registry_is_covered():
-    assert set(policy_names()) == {"full", "static_mix", "pask", *BASELINES}
+    assert set(policy_names()) == {"full", "static_mix", "pask", "bellows", "bellows-evict", *BASELINES}
 
 
 @pytest.mark.parametrize("name", policy_names())
@@ -67,6 +82,10 @@ def test_every_registered_policy_has_the_protocol_members(name, budget):
     assert isinstance(p.name, str) and p.name
     if name in ("full", "static_mix"):
         assert p.budget is None and p.target_b == 1.0  # no target: Full KV's bytes
+    elif name == "bellows":
+        assert p.budget is None and p.target_b == pytest.approx(40 / 512)  # the 4-bit latent over 2 layers of K/V
+    elif name == "bellows-evict":
+        assert p.budget == pytest.approx(_evict_budget(budget)) and p.target_b == p.budget
     else:
         assert p.budget == pytest.approx(budget) and p.target_b == pytest.approx(budget)
     assert 0 < p.target_b <= 1 and policy_target_b(p) == p.target_b

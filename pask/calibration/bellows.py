@@ -28,32 +28,22 @@ header, tied to the model's fingerprint like a PASK table.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from pask.errors import PaskError
-
-FORMAT = "pask-bellows/1"
-LATENTS = ("first", "middle")
-
-
-def source(layers: range, latent: str = "first") -> int:
-    """The layer whose normed input is the group's latent (module docstring)."""
-    if latent not in LATENTS:
-        raise PaskError(f"--latent must be one of {', '.join(LATENTS)}, got {latent!r}")
-    return layers.start if latent == "first" else layers.start + (len(layers) - 1) // 2
-
-
-def groups(num_layers: int, n: int) -> list[range]:
-    """The layer groups of size ``n`` (the last one shorter if ``n`` does not divide ``num_layers``)."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= num_layers:
-        raise PaskError(f"--n must be an integer in [1, {num_layers}] (the model's layers), got {n!r}")
-    return [range(s, min(s + n, num_layers)) for s in range(0, num_layers, n)]
+from pask.kv.latent import (  # noqa: F401  (the file format lives with the tier; re-exported here)
+    FORMAT,
+    LATENTS,
+    LatentProjections,
+    groups,
+    latent_bytes,
+    load,
+    source,
+)
 
 
 def _layers(model) -> list:
@@ -170,61 +160,6 @@ def rel_errors(w: torch.Tensor, mom: Moments, layer: int, group: int, kv_dim: in
     return out[0], out[1]
 
 
-@dataclass
-class LatentProjections:
-    """The fitted projections of one model at one ``n`` (see the module docstring)."""
-
-    model_name: str
-    fingerprint: str
-    n: int
-    ridge: float
-    weights: dict[int, torch.Tensor]  # layer -> [hidden + 1, 2 kv_dim] float32
-    errors: list[dict]  # per layer: group, own (the source), fit / held-out relative errors of K and V
-    meta: dict = field(default_factory=dict)
-    latent: str = "first"
-
-    def save(self, path: Path | str) -> None:
-        from safetensors.torch import save_file
-
-        header = {
-            "format": FORMAT,
-            "model": self.model_name,
-            "fingerprint": self.fingerprint,
-            "n": str(self.n),
-            "latent": self.latent,
-            "ridge": repr(self.ridge),
-            "errors": json.dumps(self.errors),
-            "meta": json.dumps(self.meta),
-        }
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file({f"weight.{i}": w.contiguous() for i, w in self.weights.items()}, str(path), metadata=header)
-
-
-def load(path: Path | str, fingerprint: str | None = None) -> LatentProjections:
-    """A projections file, checked against the loaded model's fingerprint (None: not checked)."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise PaskError(f"BellowsKV projections file {path} does not exist (make one with `pask calibrate-bellows`)")
-    try:
-        with safe_open(str(path), "pt") as f:
-            head = f.metadata() or {}
-            weights = {int(k.split(".")[1]): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError, ValueError) as e:
-        raise PaskError(f"{path} is not a BellowsKV projections file: {e}") from None
-    if head.get("format") != FORMAT:
-        raise PaskError(f"{path} is not a BellowsKV projections file (format {head.get('format')!r})")
-    if fingerprint is not None and head.get("fingerprint") != fingerprint:
-        raise PaskError(
-            f"{path} was fitted for model {head.get('model')} ({head.get('fingerprint')}), not this model "
-            f"({fingerprint}): fit projections for it (`pask calibrate-bellows`)"
-        )
-    return LatentProjections(head["model"], head["fingerprint"], int(head["n"]), float(head["ridge"]), weights,
-                             json.loads(head["errors"]), json.loads(head.get("meta", "{}")),
-                             head.get("latent", "first"))  # fmt: skip
-
-
 def fit(
     lm,
     fit_prompts: Sequence[Sequence[int]],
@@ -274,9 +209,7 @@ def compression(model_config, n: int, latent_bits: int = 16, quant_group: int = 
     hidden = cfg.hidden_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    full = n * 2 * kv_heads * head_dim * 2
-    latent = hidden * 2 if latent_bits >= 16 else hidden * latent_bits / 8 + math.ceil(hidden / quant_group) * 4
-    return full / latent
+    return n * 2 * kv_heads * head_dim * 2 / latent_bytes(hidden, latent_bits, quant_group)
 
 
 def markdown(proj: LatentProjections, model_config=None) -> str:

@@ -856,6 +856,9 @@ def start_cell(p: CellPlan, version: dict, mode: str) -> dict:
         from pask.policies.tuning import effective_config
 
         run["policy_params"] = effective_config(p.cell.policy, p.cell.budget, p.cell.policy_config, p.cell.task)
+        proj = run["policy_params"].get("projections")  # BellowsKV: the fitted file the cell ran with
+        if isinstance(proj, str) and Path(proj).is_file():
+            run["projections_sha256"] = file_sha256(Path(proj))
     man["runs"].append(run)
     write_json(p.dir / CELL_FILE, man)
     return man

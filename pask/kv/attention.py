@@ -74,6 +74,18 @@ class OnlineSoftmax:
         self.l = self.l * alpha + p.sum(dim=-1)
         self.acc = self.acc * alpha[..., None] + torch.matmul(p, values)
 
+    def update_projected(self, scores: torch.Tensor, z: torch.Tensor, project) -> None:
+        """Add a block whose values are a linear map of latents ``z [n, hidden]``: the weights sum the
+        latents first and ``project(pz [Hkv, rows, hidden], mass [Hkv, rows])`` maps the sum once
+        (BellowsKV's values, :meth:`pask.kv.latent.LatentTier.project_values`)."""
+        if scores.shape[-1] == 0:
+            return
+        m_safe, alpha = self._rescale(scores.amax(dim=-1))
+        p = torch.exp(scores - m_safe[..., None])
+        mass = p.sum(dim=-1)
+        self.l = self.l * alpha + mass
+        self.acc = self.acc * alpha[..., None] + project(torch.matmul(p.to(z.dtype), z), mass)
+
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Add a block already reduced to a normalised output ``[Hkv, rows, D]`` and its log-sum-exp."""
         m_safe, alpha = self._rescale(lse)
@@ -97,24 +109,58 @@ def tiered_attention_reference(
     grp = hq // hkv
     qf = q.float().reshape(hkv, grp * qn, d)
     state = OnlineSoftmax(hkv, grp * qn, d, device=q.device)
-    n_h = store.h.n
-    if n_h:
-        kh, vh = store.h.view("k"), store.h.view("v")
-        first_new = n_h - n_new
-        # row r = j * qn + i sees slot s iff s <= first_new + i
-        row_limit = first_new + torch.arange(qn, device=q.device).repeat(grp)
-        for a in range(0, n_h, H_CHUNK):
-            b = min(n_h, a + H_CHUNK)
-            s = torch.matmul(qf, kh[:, a:b].float().transpose(1, 2)) * scaling
-            if n_new > 1 and b > first_new + 1:
-                slot = torch.arange(a, b, device=q.device)
-                s = s.masked_fill(slot[None, None, :] > row_limit[None, :, None], -torch.inf)
-            state.update(s, vh[:, a:b].float())
+    _h_stream(state, qf, store, scaling, qn, n_new)
     for bits in (4, 2):
         n_l = store.low(bits).n
         for a in range(0, n_l, block):
             k, v = store.low_kv(a, min(n_l, a + block), bits=bits)
             state.update(torch.matmul(qf, k.transpose(1, 2)) * scaling, v)
+    out = state.result().reshape(hkv, grp, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
+    return out.to(q.dtype)
+
+
+def _h_stream(state: OnlineSoftmax, qf: torch.Tensor, store: _SeqStore, scaling: float, qn: int, n_new: int) -> None:
+    """Add a sequence's H tier to ``state`` (the ``n_new`` newest slots are the queries: causal among them)."""
+    n_h = store.h.n
+    if n_h:
+        kh, vh = store.h.view("k"), store.h.view("v")
+        first_new = n_h - n_new
+        # row r = j * qn + i sees slot s iff s <= first_new + i
+        row_limit = first_new + torch.arange(qn, device=qf.device).repeat(qf.shape[1] // qn)
+        for a in range(0, n_h, H_CHUNK):
+            b = min(n_h, a + H_CHUNK)
+            s = torch.matmul(qf, kh[:, a:b].float().transpose(1, 2)) * scaling
+            if n_new > 1 and b > first_new + 1:
+                slot = torch.arange(a, b, device=qf.device)
+                s = s.masked_fill(slot[None, None, :] > row_limit[None, :, None], -torch.inf)
+            state.update(s, vh[:, a:b].float())
+
+
+def latent_attention(layer: TieredLayer, seq: int, q: torch.Tensor, scaling: float, n_new: int = 1) -> torch.Tensor:
+    """One sequence's decode/extend attention on a latent cache (:mod:`pask.kv.latent`) -> ``[qn, Hq, D]``.
+
+    The layer's H tier as in the reference; then the block's latent tokens, decoded once per
+    forward for all the block's layers (:meth:`~pask.kv.cache.TieredCache.latent_block`): keys
+    reconstructed through the layer's projection and rotated at their positions, values folded in
+    through :meth:`OnlineSoftmax.update_projected` (the weighted latent sum is projected once,
+    instead of every token's values).
+    """
+    cache = layer.cache
+    lat = cache.config.latent
+    store = layer.seqs[seq]
+    hq, qn, d = q.shape
+    hkv = store.h.heads
+    grp = hq // hkv
+    qf = q.float().reshape(hkv, grp * qn, d)
+    state = OnlineSoftmax(hkv, grp * qn, d, device=q.device)
+    _h_stream(state, qf, store, scaling, qn, n_new)
+    src = cache.layers[lat.sources[layer.group]].seqs[seq]
+    if src.l.n:
+        i = layer.layer_idx
+        z, cos, sin = cache.latent_block(seq, layer.group)
+        k = lat.keys(i, z, cos, sin)
+        scores = torch.matmul(qf, k.transpose(1, 2)) * scaling
+        state.update_projected(scores, z, lambda pz, mass: lat.project_values(i, pz, mass))
     out = state.result().reshape(hkv, grp, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
     return out.to(q.dtype)
 
@@ -159,6 +205,13 @@ def pask_attention_forward(
     col = stats.collector_of(layer.cache)
     explicit = col is not None and col.request.step and qn == 1  # a policy asked for step statistics
     cfg = layer.cache.config
+    if cfg.latent is not None:
+        if explicit:
+            raise UnsupportedModelError("a latent cache (BellowsKV) gives no per-step attention statistics")
+        for b in range(bsz):
+            if layer.seqs[b] is not None:
+                out[b] = latent_attention(layer, b, query[b], scale, qn)
+        return out, None
     native = qn == 1 and cfg.fast_path and cfg.native and (not explicit or col.native_step)
     if native and native_attention.applies(query, layer):
         if not explicit:

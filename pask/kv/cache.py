@@ -52,6 +52,7 @@ from pask.kv.errors import (
     UnknownPositionError,
     UnsupportedModelError,
 )
+from pask.kv.latent import normed_input
 from pask.kv.quant import check_group
 from pask.kv.storage import _NONE, CopyStats, _GroupIndex, _SeqStore
 
@@ -160,13 +161,19 @@ class TieredLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         c = self.cache
-        self.seqs = [
-            None
-            if c.dropped[b]
-            else _SeqStore(c.spec.num_kv_heads, c.spec.head_dim, self.dtype, self.device, c.config, c.stats)
-            for b in range(c.num_seqs)
-        ]
+        self.seqs = [None if c.dropped[b] else self.new_store() for b in range(c.num_seqs)]
         self.is_initialized = True
+
+    @property
+    def latent_source(self) -> bool:
+        """This layer is its block's latent source (a latent cache): its stores hold the block's latents."""
+        lat = self.cache.config.latent
+        return lat is not None and self.layer_idx == lat.sources[self.group]
+
+    def new_store(self) -> _SeqStore:
+        c = self.cache
+        lat = c.config.latent if self.latent_source else None
+        return _SeqStore(c.spec.num_kv_heads, c.spec.head_dim, self.dtype, self.device, c.config, c.stats, lat)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens of every live row in its H tier; return the new K/V unchanged."""
@@ -176,13 +183,21 @@ class TieredLayer(CacheLayerMixin):
         if key_states.shape[0] != c.num_seqs:
             raise KVCacheError(f"batch of {key_states.shape[0]} rows fed to a TieredCache of {c.num_seqs} sequences")
         prefill = c.mode == "prefill"
-        if not prefill and c.config.native and native_attention.append_h(self.seqs, key_states, value_states):
+        lat = c.config.latent
+        if (
+            not prefill
+            and lat is None
+            and c.config.native
+            and native_attention.append_h(self.seqs, key_states, value_states)
+        ):
             return key_states, value_states
+        z = normed_input(self.layer_idx, *key_states.shape[::2]) if self.latent_source else None
         for b, store in enumerate(self.seqs):
             if store is None:
                 continue
             start = c.pad_lengths[b] if prefill else 0
-            store.h.append(k=key_states[b, :, start:], v=value_states[b, :, start:])
+            extra = lat.encode(z[b, start:], store.h.heads) if z is not None else {}
+            store.h.append(k=key_states[b, :, start:], v=value_states[b, :, start:], **extra)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -240,7 +255,9 @@ class TieredCache(Cache):
         if batch_size < 0:
             raise KVCacheError(f"batch_size must be >= 0, got {batch_size}")
         self.num_seqs = batch_size
-        self.groups = layer_groups(self.spec.num_layers, self.config.num_groups)
+        lat = self.config.latent
+        n_layers = self.spec.num_layers
+        self.groups = list(lat.groups) if lat is not None else layer_groups(n_layers, self.config.num_groups)
         self.group_of = [g for g, r in enumerate(self.groups) for _ in r]
         self.stats = CopyStats()
         self.dropped = [False] * batch_size
@@ -249,6 +266,7 @@ class TieredCache(Cache):
         self._indices = [[_GroupIndex() for _ in self.groups] for _ in range(batch_size)]
         self._finished = _Finished()
         self.meter = BudgetMeter()
+        self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         super().__init__(layers=[TieredLayer(self, i, self.group_of[i]) for i in range(self.spec.num_layers)])
 
     @property
@@ -292,6 +310,7 @@ class TieredCache(Cache):
         if layer_idx == 0:
             self._start_forward(key_states.shape[2])
         if layer_idx in (r.start for r in self.groups):
+            self._scratch.clear()  # the previous block's decoded latents (a latent cache)
             g = self.group_of[layer_idx]
             q = key_states.shape[2]
             for b in range(self.num_seqs):
@@ -313,6 +332,20 @@ class TieredCache(Cache):
         else:
             self.mode = "extend"
 
+    def latent_block(self, seq: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A latent cache's L tokens of ``seq`` in ``group`` for this forward: decoded latents ``[m,
+        hidden]`` (model dtype) and their RoPE ``cos, sin [m, D]`` (fp32), computed once for the
+        block's layers (freed when the next block starts: a transient, not held bytes)."""
+        key = (seq, group)
+        hit = self._scratch.get(key)
+        if hit is None:
+            lat = self.config.latent
+            src = self.layers[lat.sources[group]].seqs[seq]
+            z = src.latent_view(0, src.l.n, lat.dtype)
+            hit = (z, *lat.rope(self.index(seq, group).positions(L)))
+            self._scratch[key] = hit
+        return hit
+
     # -- actions ------------------------------------------------------------------------------
     def apply(self, seq: int, group: int, positions, action: Action) -> None:
         """Apply ``action`` to ``positions`` of sequence ``seq`` in every layer of ``group``.
@@ -324,6 +357,8 @@ class TieredCache(Cache):
         """
         action = Action(int(action))
         ix = self.index(seq, group)
+        if action == Action.L2 and self.config.latent is not None:
+            raise KVCacheError("a latent cache has no INT2 tier: its L action keeps the block's latent")
         pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
         if pos.numel() == 0:
             return
@@ -429,7 +464,8 @@ class TieredCache(Cache):
         if action != Action.R:
             bits = LOW_BITS[action]
             stores = [self.layers[i].seqs[seq] for i in self.groups[group]]
-            if tier != H or not (self.config.native and native_attention.move_applies(stores, bits)):
+            native = self.config.native and self.config.latent is None
+            if tier != H or not (native and native_attention.move_applies(stores, bits)):
                 layers = [self.layers[i] for i in self.groups[group]]
                 return self._move_to_low(seq, ix, layers, torch.tensor([p]), tier, bits)
             target = int(action)
@@ -443,11 +479,18 @@ class TieredCache(Cache):
                 st.h.remove(_NONE, _NONE, last)
             ix.add_one(target, p)
             return
-        stores = [self.layers[i].seqs[seq] for i in self.groups[group]]
         slot, _ = ix.remove_one(tier, p)
-        for st in stores:
-            st.tier(tier).remove_one(slot)
+        for layer in self._holders(group, tier):
+            layer.seqs[seq].tier(tier).remove_one(slot)
         ix.release_one(p)
+
+    def _holders(self, group: int, tier: int) -> list[TieredLayer]:
+        """The layers of ``group`` whose stores hold ``tier``'s slots: all of them, except the L tier
+        of a latent cache, which only the block's source layer holds."""
+        lat = self.config.latent
+        if lat is not None and tier == L:
+            return [self.layers[lat.sources[group]]]
+        return [self.layers[i] for i in self.groups[group]]
 
     def _move_to_low(
         self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], pos: torch.Tensor, tier: int, bits: int
@@ -457,6 +500,13 @@ class TieredCache(Cache):
         if pos.numel() == 0:
             return
         slots = ix.slot_of.t[pos].long()
+        group = self.group_of[layers[0].layer_idx]
+        lat = self.config.latent
+        if lat is not None:  # the block's latent (held beside the source's H slots) moves to its L tier
+            src = self.layers[lat.sources[group]].seqs[seq]
+            kept = src.h.take(slots)
+            src.l.append(**{k: kept[k] for k in src.l.parts})
+            layers = []  # no layer keeps its K/V of these tokens
         for layer in layers:
             st = layer.seqs[seq]
             if tier == H:
@@ -466,7 +516,7 @@ class TieredCache(Cache):
                 k, v = st.low_kv(dtype=st.h.parts["k"].dtype, bits=4, slots=slots)
             st.append_low(k, v, bits)
         plan = ix.plan_remove(tier, slots)
-        for layer in layers:
+        for layer in self._holders(group, tier):
             layer.seqs[seq].tier(tier).remove(*plan)
         ix.remove(tier, pos, plan)
         ix._add(L if bits == 4 else L2, pos.to(torch.int32))
@@ -474,7 +524,7 @@ class TieredCache(Cache):
     def _remove(self, seq: int, ix: _GroupIndex, layers: list[TieredLayer], tier: int, pos: torch.Tensor) -> None:
         slots = ix.slot_of.t[pos].long()
         plan = ix.plan_remove(tier, slots)
-        for layer in layers:
+        for layer in self._holders(self.group_of[layers[0].layer_idx], tier):
             layer.seqs[seq].tier(tier).remove(*plan)
         ix.remove(tier, pos, plan)
 
@@ -482,6 +532,8 @@ class TieredCache(Cache):
     def recall(self, seq: int, group: int, positions, op: ColdOp) -> None:
         """Apply a cold-tier operation (:class:`~pask.kv.actions.ColdOp`) to ``positions`` of ``seq`` in ``group``."""
         op = ColdOp(int(op))
+        if self.config.latent is not None:
+            raise KVCacheError("a latent cache has no cold tier (KVFetch does not wrap BellowsKV)")
         ix = self.index(seq, group)
         pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
         if pos.numel() == 0:
@@ -646,7 +698,7 @@ class TieredCache(Cache):
                     for i in range(2):
                         held[i] += per_slot * ix.cold_counts[i]
                 for i in range(2):
-                    full[i] += st.h.slot_bytes() * tokens[i]
+                    full[i] += st.kv_slot_bytes() * tokens[i]
                 held[0] += st.balance_bytes()  # per-sequence key balance of the low-bit tiers
         return held, full
 

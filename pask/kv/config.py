@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pask.kv.errors import KVCacheError
+
+if TYPE_CHECKING:
+    from pask.kv.latent import LatentTier
 
 
 @dataclass
@@ -23,6 +27,7 @@ class CacheConfig:
     headroom: int = 0  # spare slots of a tier's first allocation (0: doubling from initial_capacity)
     l2_key_bits: int = 2  # key code width of the L2 tier: 2 (INT2 keys and values) or 4 (K4V2: INT4 keys, INT2 values)
     cold_bits: int = 2  # code width of KVFetch's cold tier (pask.policies.kvfetch): 2 or 4
+    latent: LatentTier | None = None  # BellowsKV: L keeps one latent per layer block (pask.kv.latent)
 
     def __post_init__(self) -> None:
         if self.num_groups < 1:
@@ -37,5 +42,9 @@ class CacheConfig:
             raise KVCacheError(f"l2_key_bits must be 2 or 4, got {self.l2_key_bits!r}")
         if self.cold_bits not in (2, 4):
             raise KVCacheError(f"cold_bits must be 2 or 4, got {self.cold_bits!r}")
+        if self.latent is not None and self.num_groups != len(self.latent.groups):
+            raise KVCacheError(
+                f"a latent cache has one layer group per latent block: num_groups must be {len(self.latent.groups)}"
+            )
         if not 0.0 <= self.shrink_below < 0.8:
             raise KVCacheError(f"shrink_below must be in [0, 0.8), got {self.shrink_below}")

@@ -130,7 +130,7 @@ def quantize_codes(
     scale_dtype: torch.dtype = torch.float16,
     bits: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantise ``x`` [..., D] to unpacked codes uint8 [..., D] (0..2^bits-1) and scale/zero [..., D/group].
+    """Quantise ``x`` [..., D] to codes uint8 [..., D] (0..2^bits-1; bits 2, 4 or 8) and scale/zero [..., D/group].
 
     ``x ≈ (code - zero_point) * scale + zero``; ``zero_point = 0`` gives ``zero = min`` (the
     :class:`Int4Tensor` format), ``zero_point = 8`` the form PyTorch's int4 GEMM reads. The
@@ -141,7 +141,9 @@ def quantize_codes(
     """
     d = x.shape[-1]
     check_group(d, group)
-    qmax = (1 << check_bits(bits)) - 1
+    if bits != 8:  # 8: BellowsKV's INT8 latent (pask.kv.latent); the K/V tiers hold 4 or 2
+        check_bits(bits)
+    qmax = (1 << bits) - 1
     xg = x.float().reshape(*x.shape[:-1], d // group, group)
     mn = xg.amin(dim=-1)
     mx = xg.amax(dim=-1)

@@ -31,6 +31,7 @@ from pask.kv.quant import (
 
 if TYPE_CHECKING:
     from pask.kv.config import CacheConfig
+    from pask.kv.latent import LatentTier
 
 H, L, R, L2 = int(Action.H), int(Action.L), int(Action.R), int(Action.L2)
 TIERS = (H, L, L2)  # the tiers that hold bytes (R holds none)
@@ -435,12 +436,23 @@ class _SeqStore:
     prefill: the whole prompt).
     """
 
-    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, cfg: CacheConfig, stats: CopyStats):
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        cfg: CacheConfig,
+        stats: CopyStats,
+        latent: LatentTier | None = None,
+    ):
         g = head_dim // cfg.quant_group
         self.group = cfg.quant_group
-        self.h = _Tier(
-            {"k": _Plain((), (head_dim,), dtype), "v": _Plain((), (head_dim,), dtype)}, heads, device, cfg, stats
-        )
+        kv = {"k": _Plain((), (head_dim,), dtype), "v": _Plain((), (head_dim,), dtype)}
+        self._kv_slot_bytes = sum(p.slot_bytes(heads) for p in kv.values())
+        # a latent source layer (pask.kv.latent): its H slots also hold each token's latent
+        self.latent = latent
+        self.h = _Tier({**kv, **latent.parts(heads)} if latent else kv, heads, device, cfg, stats)
 
         def low(bits: int, kbits: int) -> _Tier:
             per_byte = 8 // bits
@@ -454,7 +466,8 @@ class _SeqStore:
             return _Tier(parts, heads, device, cfg, stats, align=BLOCK if kbits == 4 else 1)
 
         self.l2_kbits = check_bits(getattr(cfg, "l2_key_bits", 2))  # K4V2 when 4
-        self.l = low(4, 4)
+        # the L tier of a latent source layer holds latents (the block's L tokens), else INT4 K/V
+        self.l = _Tier(latent.parts(heads), heads, device, cfg, stats) if latent else low(4, 4)
         self.l2 = low(2, self.l2_kbits)
         self._low_tier = low
         self.cold: _Tier | None = None  # KVFetch's cold tier (created on the first demotion)
@@ -557,6 +570,19 @@ class _SeqStore:
         vc = unpack(t["vq"].index_select(2, slots)).transpose(1, 2).flatten(-2)  # [Hkv, m, D]
         v = dequantize_codes(vc, vs, vz, dtype)
         return k, v
+
+    def kv_slot_bytes(self) -> int:
+        """Bytes of one token's exact K and V in this layer (the Full-KV reference; a latent source
+        layer's H slots hold its latent on top)."""
+        return self._kv_slot_bytes
+
+    def append_latent(self, z: torch.Tensor) -> None:
+        """Append latents ``[n, hidden]`` (encoded at the tier's width) to this source layer's L tier."""
+        self.l.append(**self.latent.encode(z, self.h.heads))
+
+    def latent_view(self, start: int, stop: int, dtype=torch.float32) -> torch.Tensor:
+        """Decoded latents ``[stop - start, hidden]`` of L slots ``[start, stop)`` (a latent source layer)."""
+        return self.latent.decode({k: t.narrow(1, start, stop - start) for k, t in self.l.t.items()}, dtype)
 
     def balance_bytes(self) -> int:
         """Bytes of the key balance vectors (0 before the first low-bit write)."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from pask.errors import PaskError
 from pask.policies.base import ActionSpec, Policy, PolicyBase, SeqContext
+from pask.policies.bellows import BellowsEvictPolicy, BellowsPolicy
 from pask.policies.criticalkv import CriticalKVPolicy
 from pask.policies.full import FullPolicy
 from pask.policies.h2o import H2OPolicy
@@ -39,6 +40,8 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {
     "kivi-2": kivi_factory(2),
     "kivi-mix": KIVIMixPolicy,
     "pask": make_pask_policy,  # needs ``table`` (a FrozenTable or the path of a table file)
+    "bellows": BellowsPolicy,  # needs ``projections`` (a `pask calibrate-bellows` file)
+    "bellows-evict": BellowsEvictPolicy,
 }
 _ALIASES = {"kivi": "kivi-4"}
 
@@ -69,6 +72,8 @@ def get_policy(name: str, **kwargs) -> Policy:
 __all__ = [
     "BASELINES",
     "ActionSpec",
+    "BellowsEvictPolicy",
+    "BellowsPolicy",
     "CriticalKVPolicy",
     "FullPolicy",
     "H2OPolicy",

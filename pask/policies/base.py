@@ -11,6 +11,7 @@ import torch
 
 from pask.kv.actions import Action
 from pask.kv.config import CacheConfig
+from pask.kv.latent import LatentSpec
 
 #: One action of a policy: (layer group, positions, action).
 ActionSpec = tuple[int, torch.Tensor, Action]
@@ -77,6 +78,10 @@ class Policy(Protocol):
     ``cold_bits``: the code width of the cold tier the policy demotes tokens to (KVFetch,
     :mod:`pask.policies.kvfetch`; ``CacheConfig.cold_bits``). ``None``: the policy uses no cold tier.
 
+    ``latent``: BellowsKV's shared latent (:class:`~pask.kv.latent.LatentSpec`: projections and
+    width) the policy's L action keeps; the decode core binds it to the model and builds a latent
+    cache (``CacheConfig.latent``, :mod:`pask.kv.latent`). ``None``: L is the INT4 tier.
+
     ``needs_tags``: the policy reads the structural tags of generated tokens and the labels of
     prompt tokens (PASK), so the caller attaches a tagger and prompt labels to each request.
 
@@ -104,6 +109,7 @@ class Policy(Protocol):
     step_scorer: Callable | None
     l2_key_bits: int | None
     cold_bits: int | None
+    latent: LatentSpec | None
 
     @property
     def target_b(self) -> float:
@@ -151,6 +157,7 @@ class PolicyBase:
     step_scorer: Callable | None = None
     l2_key_bits: int | None = None  # the key width its L2 action needs (4: K4V2); None: the cache's own
     cold_bits: int | None = None  # the width of the cold tier it demotes to (KVFetch); None: no cold tier
+    latent: LatentSpec | None = None  # BellowsKV's latent its L action keeps; None: L is INT4
 
     @property
     def target_b(self) -> float:

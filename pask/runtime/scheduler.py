@@ -58,6 +58,7 @@ from pask.kv.cache import CacheConfig, TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.policies.base import Policy, with_key_bits
 from pask.runtime.capacity import KVCapacity, kv_bytes_per_token, policy_target_b
+from pask.runtime.latent import same_latent, with_latent
 from pask.runtime.masked_head import MaskedHead, masked_head_enabled
 from pask.runtime.models import LoadedModel
 from pask.runtime.prefill_store import PrefillStore
@@ -182,7 +183,9 @@ class Scheduler:
                 f"{type(probe).__name__} does not implement the Policy protocol (pask.policies.base.Policy; "
                 "inherit pask.policies.base.PolicyBase for its defaults)"
             )
-        self.config = with_key_bits(cache_config or CacheConfig(headroom=SERVE_HEADROOM), probe)
+        self.config = with_latent(with_key_bits(cache_config or CacheConfig(headroom=SERVE_HEADROOM), probe), probe, lm)
+        if self.config.latent is not None:
+            self.store = None  # a stored prefill holds no latents: a latent cache runs its prompts
         self.policy_name = probe.name
         self.needs_tags = probe.needs_tags
         self.stats_request = StatsRequest.of(probe)
@@ -243,7 +246,7 @@ class Scheduler:
         (L2 key width, cold tier), statistics it computes (the same prefill window; step attention,
         value norms, the step scorer only if computed) and tags if it reads them."""
         name = getattr(policy, "name", type(policy).__name__)
-        if with_key_bits(self.config, policy) != self.config:
+        if with_key_bits(self.config, policy) != self.config or not same_latent(self.config, policy):
             raise PaskError(f"policy {name} needs another cache layout than this scheduler's ({self.policy_name})")
         need, have = StatsRequest.of(policy), self.stats_request
         missing = [
