@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shlex
 import sys
@@ -1098,7 +1099,13 @@ def calibrate_bellows(
     task: Annotated[str, typer.Option(help="whose prompts: calibration split to fit, dev split held out")] = "bfcl",
     cases: Annotated[int, typer.Option(help="calibration prompts to fit on")] = 64,
     held_cases: Annotated[int, typer.Option(help="dev prompts for the held-out error (0: none)")] = 32,
-    ridge: Annotated[float, typer.Option(help="ridge term, relative to the mean diagonal of X^T X")] = 1e-4,
+    ridge: Annotated[
+        list[float] | None,
+        typer.Option(
+            help="ridge term, relative to the mean diagonal of X^T X; repeat it to keep the value with "
+            "the lowest mean held-out (dev) error [default: 1e-4]"
+        ),
+    ] = None,
     latent: Annotated[
         str, typer.Option(help="first: the group's first-layer normed input; middle: its lower-middle layer's")
     ] = "first",
@@ -1120,6 +1127,11 @@ def calibrate_bellows(
 
     if cases < 1 or held_cases < 0:
         raise PaskError("--cases must be >= 1 and --held-cases >= 0")
+    ridge = ridge or [1e-4]
+    if any(not math.isfinite(r) or r < 0 for r in ridge):
+        raise PaskError(f"--ridge must be finite numbers >= 0, got {', '.join(map(str, ridge))}")
+    if len(ridge) > 1 and not held_cases:
+        raise PaskError("choosing among several --ridge values needs held-out prompts (--held-cases > 0)")
     source(range(1), latent)  # --latent checked before the model loads
     if report is not None:
         check_clean(report, allow_dirty)
@@ -1142,7 +1154,8 @@ def calibrate_bellows(
     proj.save(out)
     md = markdown(proj, lm.model.config)
     if report is not None:
-        data = {"model": lm.name, "n": n, "latent": latent, "ridge": ridge, "errors": proj.errors, "meta": proj.meta}
+        data = {"model": lm.name, "n": n, "latent": latent, "ridge": proj.ridge, "errors": proj.errors,
+                "meta": proj.meta}  # fmt: skip
         write_result(report, data, md, command=_command(), allow_dirty=allow_dirty)
     print(md, end="")
     console.print(f"projections: {out}")

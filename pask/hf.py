@@ -203,7 +203,7 @@ def kv_policy(
         )
     if cache_config is not None and not isinstance(cache_config, CacheConfig):
         raise PaskError(f"cache_config must be a pask.kv.cache.CacheConfig, got {type(cache_config).__name__}")
-    if pol is not None and pol.latent is not None:
+    if getattr(pol, "latent", None) is not None:  # duck-typed policy objects are accepted here
         raise PaskError(
             f"policy {name!r} keeps BellowsKV latents, which pask's decode core binds to the model it loaded "
             "(fingerprint, capture hooks): use pask.generate, `pask eval` or `pask serve`"

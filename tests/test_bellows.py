@@ -115,7 +115,8 @@ def test_calibrate_bellows_cli(tmp_path):
     assert res.exit_code == 0, res.output
     assert load(out).n == 2 and "| 1 | 0 |" in (tmp_path / "r.md").read_text()
     for bad, match in ((["--n", "0"], "--n must be an integer"), (["--cases", "0"], "--cases must be >= 1"),
-                       (["--ridge", "nan"], "--ridge must be")):  # fmt: skip
+                       (["--ridge", "nan"], "--ridge must be"),
+                       (["--ridge", "1e-4", "--ridge", "1"], "needs held-out prompts")):  # fmt: skip
         res = runner.invoke(app, [*args, "--held-cases", "0", "--cases", "1", *bad])
         assert res.exit_code == 2 and match in res.output, res.output
 
@@ -130,3 +131,18 @@ def test_middle_latent_is_exact_for_its_source(smol):
     assert all(r["fit_k"] < 1e-3 and r["fit_v"] < 1e-3 for r in mid.errors if r["own"])
     with pytest.raises(PaskError, match="--latent must be one of first, middle"):
         fit(smol, PROMPTS, [], n=2, latent="last")
+
+
+def test_several_ridges_keep_the_lowest_held_out_error(smol):
+    proj = fit(smol, PROMPTS, HELD, n=2, ridge=[1e-4, 10.0, 1e-2])
+    search = proj.meta["ridge_search"]
+    assert [r["ridge"] for r in search] == [1e-4, 10.0, 1e-2]
+    best = min(search, key=lambda r: r["mean_held_error"])
+    assert proj.ridge == best["ridge"]
+    fitted = [r for r in proj.errors if not r["own"]]
+    assert sum(r["held_k"] + r["held_v"] for r in fitted) / (2 * len(fitted)) == pytest.approx(
+        best["mean_held_error"], abs=1e-4
+    )
+    assert "Ridge chosen by the mean held-out error" in markdown(proj)
+    with pytest.raises(PaskError, match="needs held-out prompts"):
+        fit(smol, PROMPTS, [], n=2, ridge=[1e-4, 1.0])

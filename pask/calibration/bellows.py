@@ -165,22 +165,48 @@ def fit(
     fit_prompts: Sequence[Sequence[int]],
     held_prompts: Sequence[Sequence[int]],
     n: int,
-    ridge: float = 1e-4,
+    ridge: float | Sequence[float] = 1e-4,
     progress: Callable[[int], None] | None = None,
     latent: str = "first",
 ) -> LatentProjections:
-    """Fit every layer's projection from its group's latent (module docstring); errors on both sets."""
-    if not math.isfinite(ridge) or ridge < 0:
-        raise PaskError(f"--ridge must be a finite number >= 0, got {ridge}")
+    """Fit every layer's projection from its group's latent (module docstring); errors on both sets.
+
+    Several ``ridge`` values: the moments are collected once and the value with the lowest mean
+    held-out error (keys and values, fitted layers) is kept; every candidate's mean is recorded in
+    ``meta["ridge_search"]``. Choosing needs held-out prompts.
+    """
+    ridges = [ridge] if isinstance(ridge, int | float) else list(ridge)
+    if not ridges or any(not math.isfinite(r) or r < 0 for r in ridges):
+        raise PaskError(f"--ridge must be finite numbers >= 0, got {ridge}")
+    if len(ridges) > 1 and not held_prompts:
+        raise PaskError("choosing among several --ridge values needs held-out prompts (--held-cases > 0)")
     if not fit_prompts:
         raise PaskError("no prompts to fit on")
     model = lm.model
-    layers = _layers(model)
-    group_of = groups(len(layers), n)
+    group_of = groups(len(_layers(model)), n)
     source(group_of[0], latent)  # the choice is checked before any forward
-    kv = _kv_dim(model)
     fit_m = collect(model, fit_prompts, n, progress, latent)
     held_m = collect(model, held_prompts, n, progress, latent) if held_prompts else None
+    best, search = None, []
+    for r in ridges:
+        weights, errors = _solve(model, fit_m, held_m, group_of, r, latent)
+        fitted = [e for e in errors if not e["own"]]
+        score = sum(e["held_k"] + e["held_v"] for e in fitted) / (2 * len(fitted)) if held_m and fitted else 0.0
+        search.append({"ridge": r, "mean_held_error": round(score, 5)})
+        if best is None or score < best[0]:
+            best = (score, r, weights, errors)
+    _, r, weights, errors = best
+    meta = {"fit_tokens": fit_m.tokens, "held_tokens": held_m.tokens if held_m else 0,
+            "fit_prompts": len(fit_prompts), "held_prompts": len(held_prompts)}  # fmt: skip
+    if len(ridges) > 1:
+        meta["ridge_search"] = search
+    return LatentProjections(lm.name, lm.fingerprint, n, r, weights, errors, meta, latent)
+
+
+def _solve(model, fit_m: Moments, held_m: Moments | None, group_of: list[range], ridge: float, latent: str):
+    """Per-layer projections at one ridge value, and their error rows."""
+    layers = _layers(model)
+    kv = _kv_dim(model)
     weights: dict[int, torch.Tensor] = {}
     errors = []
     for g, members in enumerate(group_of):
@@ -197,9 +223,7 @@ def fit(
             if held_m is not None:
                 row["held_k"], row["held_v"] = (round(x, 5) for x in rel_errors(w, held_m, layer, g, kv))
             errors.append(row)
-    meta = {"fit_tokens": fit_m.tokens, "held_tokens": held_m.tokens if held_m else 0,
-            "fit_prompts": len(fit_prompts), "held_prompts": len(held_prompts)}  # fmt: skip
-    return LatentProjections(lm.name, lm.fingerprint, n, ridge, weights, errors, meta, latent)
+    return weights, errors
 
 
 def compression(model_config, n: int, latent_bits: int = 16, quant_group: int = 32) -> float:
@@ -222,6 +246,9 @@ def markdown(proj: LatentProjections, model_config=None) -> str:
         f"{proj.meta.get('fit_prompts')} prompts ({proj.meta.get('fit_tokens')} tokens), held out "
         f"{proj.meta.get('held_prompts')} prompts ({proj.meta.get('held_tokens')} tokens).",
     ]
+    if search := proj.meta.get("ridge_search"):
+        parts = ", ".join(f"{r['ridge']:g}: {r['mean_held_error']:.4f}" for r in search)
+        lines += ["", f"Ridge chosen by the mean held-out error of the fitted layers ({parts})."]
     if model_config is not None:
         parts = ", ".join(f"{b}-bit {compression(model_config, proj.n, b):.2f}x" for b in (16, 8, 4, 2))
         lines += ["", f"Compression over Full KV per token for a full group of {proj.n} layers: {parts}."]
