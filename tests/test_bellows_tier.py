@@ -221,3 +221,11 @@ def test_online_softmax_projected_block_equals_plain_values():
     a.update(s, torch.matmul(z[None], w))
     b.update_projected(s, z, lambda pz, mass: torch.matmul(pz, w))
     torch.testing.assert_close(a.result(), b.result())
+
+
+def test_policy_copies_share_the_projections(smol):
+    import copy
+
+    p = get_policy("bellows", projections=_own(smol, 2))
+    q = copy.deepcopy(p)  # what the decode core does for every request
+    assert q.projections is p.projections and q.latent.projections is p.projections

@@ -74,6 +74,11 @@ class LatentProjections:
     latent: str = "first"
     path: str | None = None
 
+    def __deepcopy__(self, memo) -> LatentProjections:
+        """Shared, not copied: a file's projections are read-only (per-request policy copies would
+        otherwise each hold the model's full set of projection weights)."""
+        return self
+
     @property
     def hidden(self) -> int:
         return int(next(iter(self.weights.values())).shape[0]) - 1
