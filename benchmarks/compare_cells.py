@@ -1,11 +1,12 @@
-"""Paired comparison of one evaluation directory with the committed 160-case paper cells.
+"""Paired comparison of one evaluation directory with committed cells (BFCL or SQL).
 
     .venv/bin/python benchmarks/compare_cells.py benchmarks/results/calibration-all4/pask-b0.33-parallel \
         [--cells benchmarks/results/paper/qwen2.5-coder-0.5b/bfcl/test] [--out FILE.md]
 
-For every cell of ``--cells`` holding the same case ids, per category: accuracy of both on the
-shared cases, the discordant pairs (cases only one of the two gets right) and the exact sign
-test's p; also the mean measured B and the share of single-call outputs (the parallel failure mode).
+For every cell of ``--cells`` holding the same case ids: accuracy of both on the shared cases, the
+discordant pairs (cases only one of the two gets right) and the exact sign test's p; also the mean
+measured B and, for BFCL, the share of single-call outputs (the parallel failure mode). SQL rows
+(no category) group by difficulty.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def compare(new_dirs: list[Path], cells: Path) -> str:
     if not new:
         raise SystemExit(f"no case rows under {', '.join(map(str, new_dirs))}")
     ids = sorted(new)
-    cats = sorted({new[i]["category"] for i in ids})
+    cats = sorted({new[i].get("category") or new[i].get("difficulty", "?") for i in ids})
+    calls = all("calls" in new[i] for i in ids)  # BFCL rows: count single-call outputs
     lines = [
         f"New run: {', '.join(str(d) for d in new_dirs)} ({len(ids)} cases; categories {', '.join(cats)}).",
         "",
@@ -57,8 +59,8 @@ def compare(new_dirs: list[Path], cells: Path) -> str:
         only_b = sum(bool(old[i]["correct"]) and not new[i]["correct"] for i in shared)
         nb = [x for x in (_b(new[i]) for i in shared) if x is not None]
         ob = [x for x in (_b(old[i]) for i in shared) if x is not None]
-        single_new = sum(new[i]["output"].count('"name"') == 1 for i in shared)
-        single_old = sum(old[i]["output"].count('"name"') == 1 for i in shared)
+        single_new = sum(new[i]["output"].count('"name"') == 1 for i in shared) if calls else "-"
+        single_old = sum(old[i]["output"].count('"name"') == 1 for i in shared) if calls else "-"
         lines.append(
             f"| {cell.name} | {len(shared)} | {100 * a / len(shared):.2f} | {100 * b / len(shared):.2f} | "
             f"{only_a} : {only_b} | {sign_test_p(only_a, only_b):.3f} | "

@@ -597,3 +597,14 @@ def test_cell_line():
         "[2/5] m/sql/dev/pask-b0.33: 40 cases (12 run now), EX 32.50, B 0.331, 81.2 s"
     )
     assert sweep.cell_line("c", 3, 0, {}, 0.0) == "c: 3 cases (0 run now), no score, B –, 0.0 s"
+
+
+def test_policy_config_per_budget_overrides_the_policy_s(tmp_path, fake, monkeypatch):
+    """``[task.policy_config."<policy>@<budget>"]`` applies to that cell only, over the policy's own."""
+    monkeypatch.setenv("PASK_ALLOW_UNTUNED", "1")
+    pc = {"h2o": {"recent": 16, "sink": 2}, "h2o@0.25": {"recent": 8}}
+    cfg = parse_config(
+        fake_config(tmp_path, policies=["h2o"], budgets=[0.5, 0.25], fake={"n": 2, "policy_config": pc}), tmp_path
+    )
+    got = {c.budget: c.policy_config for c in cfg.cells}
+    assert got == {0.5: {"recent": 16, "sink": 2}, 0.25: {"recent": 8, "sink": 2}}

@@ -438,7 +438,7 @@ def _task_options(data: dict, task: str, base: Path) -> tuple[dict, dict, dict, 
         raise PaskError(f'[{task}.tables] must map model -> {{"budget" = "table file"}}')
     pcfg = block.get("policy_config", {})
     if not isinstance(pcfg, dict) or not all(isinstance(v, dict) for v in pcfg.values()):
-        raise PaskError(f"[{task}.policy_config] must map policy -> table of parameters")
+        raise PaskError(f"[{task}.policy_config] must map policy (or policy@budget) -> table of parameters")
     return opts, tables, pcfg, _threads(block.get("threads"), f"[{task}]")
 
 
@@ -509,7 +509,8 @@ def parse_config(
         for m, t, s, p in itertools.product(models, tasks, splits, policies):
             opts, tables, pcfg, t_threads = task_opts[t]
             for b in [None] if p == "full" else budgets:
-                cell = Cell(m, t, s, p, b, dtype, dict(opts), dict(pcfg.get(p, {})))
+                pc = {**pcfg.get(p, {}), **pcfg.get(f"{p}@{b:g}", {})}  # "<policy>@<budget>": that cell's own
+                cell = Cell(m, t, s, p, b, dtype, dict(opts), pc)
                 # --threads beats the task's threads, which beat the top-level threads
                 cell.threads = top_threads if threads is not None else (t_threads or top_threads)
                 if p in ABLATIONS:
