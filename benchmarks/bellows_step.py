@@ -1,4 +1,4 @@
-"""BellowsKV's decode step against Full KV and KIVI-4 at one context length, whole model, batch b.
+"""BellowsKV's decode step against Full KV, KIVI-4 and kivi-mix at one context length, whole model, batch b.
 
     .venv/bin/python benchmarks/bellows_step.py --projections P.safetensors [--bits 4] [--context 8192]
         [--batch 8] [--steps 6] [--threads 2] [--out benchmarks/results/bellows/step-8k-b8]
@@ -6,7 +6,9 @@
 One real prompt of ``--context`` tokens (essay text from the RULER haystack, tokenised; random ids
 where the text runs short) is prefilled once per configuration through the model into a cache of
 one row, the configuration's actions are applied (Full KV: none; KIVI-4: every token outside the
-recent window to INT4; BellowsKV: every such token to its blocks' latents), and the row is copied
+recent window to INT4; kivi-mix: INT2 in the deepest layer groups, INT4 in the rest, at
+``--mix-budget``, the per-layer-width KIVI a user can set at BellowsKV's B; BellowsKV: every such
+token to its blocks' latents), and the row is copied
 ``--batch`` times into one decoding cache. Then ``--steps`` whole-model decode steps of the batch
 (one token per row, the same token for every configuration; no actions between steps) are timed,
 configurations interleaved step by step (same machine conditions), medians. Held bytes come from
@@ -36,6 +38,7 @@ from pask.kv.actions import Action
 from pask.kv.attention import enable_pask_attention
 from pask.kv.cache import CacheConfig, TieredCache
 from pask.kv.latent import LatentTier, load
+from pask.policies.kivi import KIVIMixPolicy
 from pask.runtime.models import load_model
 
 
@@ -50,14 +53,16 @@ def _prompt(tok, n: int) -> list[int]:
     return ids[:n]
 
 
-def _batch(lm, ids: list[int], config: CacheConfig, to: Action | None, batch: int) -> TieredCache:
+def _batch(lm, ids: list[int], config: CacheConfig, to, batch: int) -> TieredCache:
+    """``to``: None (Full KV), one action for every layer group, or a list of one per group."""
     model = lm.model
     one = TieredCache(model.config, config, 1)
     with torch.inference_mode():
         model(input_ids=torch.tensor([ids]), cache=one, use_cache=True)
         if to is not None:
-            for g in range(len(one.groups)):
-                one.apply(0, g, torch.arange(len(ids) - config.recent_window), to)
+            acts = to if isinstance(to, list) else [to] * len(one.groups)
+            for g, a in enumerate(acts):
+                one.apply(0, g, torch.arange(len(ids) - config.recent_window), a)
     out = TieredCache(model.config, config, 0)
     for _ in range(batch):
         out.adopt(copy.deepcopy(one), 0)
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--mix-budget", type=float, default=0.25, help="kivi-mix's budget (INT2 in the deepest groups)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/bellows/step-8k-b8"))
     add_allow_dirty(ap)
@@ -86,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     proj = load(args.projections, lm.fingerprint)
     tier = LatentTier.bind(proj, model, args.bits, lm.fingerprint)
     ids = _prompt(lm.tokenizer, args.context)
+    mix = [Action.L if w == 4 else Action.L2 for w in KIVIMixPolicy(budget=args.mix_budget).widths(4)]
     configs = {
         "full": (CacheConfig(), None),
         "kivi-4": (CacheConfig(), Action.L),
+        f"kivi-mix B={args.mix_budget:g}": (CacheConfig(l2_key_bits=2), mix),
         f"bellows n={proj.n} {args.bits}-bit": (CacheConfig(num_groups=len(tier.groups), latent=tier), Action.L),
     }
     caches = {}
