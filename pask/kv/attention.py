@@ -136,12 +136,15 @@ def _h_stream(state: OnlineSoftmax, qf: torch.Tensor, store: _SeqStore, scaling:
             state.update(s, vh[:, a:b].float())
 
 
-def latent_attention(layer: TieredLayer, seq: int, q: torch.Tensor, scaling: float, n_new: int = 1) -> torch.Tensor:
+def latent_attention(
+    layer: TieredLayer, seq: int, q: torch.Tensor, scaling: float, n_new: int = 1, keys: torch.Tensor | None = None
+) -> torch.Tensor:
     """One sequence's decode/extend attention on a latent cache (:mod:`pask.kv.latent`) -> ``[qn, Hq, D]``.
 
     The layer's H tier as in the reference; then the block's latent tokens, decoded once per
-    forward for all the block's layers (:meth:`~pask.kv.cache.TieredCache.latent_block`): keys
-    reconstructed through the layer's projection and rotated at their positions, values folded in
+    forward for all the block's layers and rows (:meth:`~pask.kv.cache.TieredCache.latent_rows`):
+    keys reconstructed through the layer's projection and rotated at their positions (``keys``:
+    the row's slice of :func:`latent_keys`, computed here when not given), values folded in
     through :meth:`OnlineSoftmax.update_projected` (the weighted latent sum is projected once,
     instead of every token's values).
     """
@@ -154,15 +157,30 @@ def latent_attention(layer: TieredLayer, seq: int, q: torch.Tensor, scaling: flo
     qf = q.float().reshape(hkv, grp * qn, d)
     state = OnlineSoftmax(hkv, grp * qn, d, device=q.device)
     _h_stream(state, qf, store, scaling, qn, n_new)
-    src = cache.layers[lat.sources[layer.group]].seqs[seq]
-    if src.l.n:
+    z, cos, sin = cache.latent_block(seq, layer.group)
+    if z.shape[0]:
         i = layer.layer_idx
-        z, cos, sin = cache.latent_block(seq, layer.group)
-        k = lat.keys(i, z, cos, sin)
+        k = lat.keys(i, z, cos, sin) if keys is None else keys
         scores = torch.matmul(qf, k.transpose(1, 2)) * scaling
         state.update_projected(scores, z, lambda pz, mass: lat.project_values(i, pz, mass))
     out = state.result().reshape(hkv, grp, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
     return out.to(q.dtype)
+
+
+def latent_layer(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A latent cache's decode/extend attention of one layer for the batch ``query [B, Hq, qn, D]`` ->
+    ``[B, qn, Hq, D]``: the keys of every row's latent tokens rebuilt in one product, then each row."""
+    cache = layer.cache
+    bsz, hq, qn, d = query.shape
+    out = query.new_zeros(bsz, qn, hq, d)
+    z, cos, sin, spans = cache.latent_rows(layer.group)
+    keys = cache.config.latent.keys(layer.layer_idx, z, cos, sin) if z.shape[0] else None
+    for b in range(bsz):
+        if layer.seqs[b] is None:
+            continue
+        a, e = spans.get(b, (0, 0))
+        out[b] = latent_attention(layer, b, query[b], scaling, qn, None if keys is None else keys[:, a:e])
+    return out
 
 
 def tiered_attention(layer: TieredLayer, seq: int, q: torch.Tensor, scaling: float, n_new: int) -> torch.Tensor:
@@ -208,10 +226,7 @@ def pask_attention_forward(
     if cfg.latent is not None:
         if explicit:
             raise UnsupportedModelError("a latent cache (BellowsKV) gives no per-step attention statistics")
-        for b in range(bsz):
-            if layer.seqs[b] is not None:
-                out[b] = latent_attention(layer, b, query[b], scale, qn)
-        return out, None
+        return latent_layer(layer, query, scale), None
     native = qn == 1 and cfg.fast_path and cfg.native and (not explicit or col.native_step)
     if native and native_attention.applies(query, layer):
         if not explicit:

@@ -266,7 +266,7 @@ class TieredCache(Cache):
         self._indices = [[_GroupIndex() for _ in self.groups] for _ in range(batch_size)]
         self._finished = _Finished()
         self.meter = BudgetMeter()
-        self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[int, tuple] = {}  # a latent cache's decoded block (latent_rows)
         super().__init__(layers=[TieredLayer(self, i, self.group_of[i]) for i in range(self.spec.num_layers)])
 
     @property
@@ -332,18 +332,40 @@ class TieredCache(Cache):
         else:
             self.mode = "extend"
 
-    def latent_block(self, seq: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent_block(self, seq: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A latent cache's L tokens of ``seq`` in ``group`` for this forward: decoded latents ``[m,
-        hidden]`` (model dtype) and their RoPE ``cos, sin [m, D]`` (fp32), computed once for the
-        block's layers (freed when the next block starts: a transient, not held bytes)."""
-        key = (seq, group)
-        hit = self._scratch.get(key)
+        hidden]`` (model dtype) and their RoPE ``cos, sin [m, D]`` (fp32): views of
+        :meth:`latent_rows`."""
+        z, cos, sin, spans = self.latent_rows(group)
+        a, e = spans.get(seq, (0, 0))
+        return z[a:e], cos[a:e], sin[a:e]
+
+    def latent_rows(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, tuple[int, int]]]:
+        """The L tokens of every live row in ``group`` for this forward, rows one after another:
+        decoded latents ``[M, hidden]`` (model dtype), RoPE ``cos, sin [M, D]`` (fp32) and each
+        row's ``(start, stop)``. Computed once for the block's layers, so that each layer rebuilds
+        the keys of all rows in one product; freed when the next block starts (a transient, not
+        held bytes)."""
+        hit = self._scratch.get(group)
         if hit is None:
             lat = self.config.latent
-            src = self.layers[lat.sources[group]].seqs[seq]
-            z = src.latent_view(0, src.l.n, lat.dtype)
-            hit = (z, *lat.rope(self.index(seq, group).positions(L)))
-            self._scratch[key] = hit
+            zs, pos, spans, at = [], [], {}, 0
+            for b in range(self.num_seqs):
+                if self.dropped[b]:
+                    continue
+                src = self.layers[lat.sources[group]].seqs[b]
+                if src is None or not src.l.n:
+                    continue
+                zs.append(src.latent_view(0, src.l.n, lat.dtype))
+                pos.append(self.index(b, group).positions(L))
+                spans[b] = (at, at + src.l.n)
+                at += src.l.n
+            if zs:
+                hit = (torch.cat(zs) if len(zs) > 1 else zs[0], *lat.rope(torch.cat(pos)), spans)
+            else:
+                empty = torch.empty(0, lat.hidden, dtype=lat.dtype)
+                hit = (empty, torch.empty(0, lat.head_dim), torch.empty(0, lat.head_dim), spans)
+            self._scratch[group] = hit
         return hit
 
     # -- actions ------------------------------------------------------------------------------
@@ -357,6 +379,7 @@ class TieredCache(Cache):
         """
         action = Action(int(action))
         ix = self.index(seq, group)
+        self._scratch.clear()  # a latent cache's decoded block is stale once its tiers change
         if action == Action.L2 and self.config.latent is not None:
             raise KVCacheError("a latent cache has no INT2 tier: its L action keeps the block's latent")
         pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
@@ -614,6 +637,7 @@ class TieredCache(Cache):
     def drop(self, seq: int) -> None:
         """Free a finished sequence's storage; its row may still be fed (ignored, outputs zeros)."""
         self._check_seq(seq)
+        self._scratch.clear()
         held, full = self._seq_bytes(seq)
         for i in range(2):
             self._finished.held[i] += held[i]
@@ -634,6 +658,7 @@ class TieredCache(Cache):
         This cache then decodes (extend mode): rows join a running batch this way.
         """
         other._check_seq(row)
+        self._scratch.clear()
         if other.spec != self.spec or other.config != self.config:
             raise KVCacheError("adopt needs caches of the same model layout and CacheConfig")
         if other.mode == "empty":
