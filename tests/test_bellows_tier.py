@@ -229,3 +229,23 @@ def test_policy_copies_share_the_projections(smol):
     p = get_policy("bellows", projections=_own(smol, 2))
     q = copy.deepcopy(p)  # what the decode core does for every request
     assert q.projections is p.projections and q.latent.projections is p.projections
+
+
+def test_the_batched_layer_equals_each_row_alone(smol):
+    """latent_layer rebuilds every row's keys in one product: the same as each row on its own."""
+    import copy
+
+    from pask.kv.attention import latent_layer
+
+    cfg = _latent_config(smol, 2)
+    _, one = _run(smol, cfg, True, steps=1)
+    _, two = _run(smol, cfg, True, steps=3)  # a longer row
+    batch = TieredCache(smol.model.config, one.config, 0)
+    with torch.inference_mode():
+        batch.adopt(copy.deepcopy(one), 0)
+        batch.adopt(two, 0)
+        q = torch.randn(2, 9, 1, 64, generator=torch.Generator().manual_seed(5))
+        for i in (0, 3, 29):
+            got = latent_layer(batch.layers[i], q, 0.125)
+            for b in range(2):
+                torch.testing.assert_close(got[b], latent_attention(batch.layers[i], b, q[b], 0.125))
