@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pask.calibration.bellows import _layers, own_projection
 from pask.errors import PaskError
 from pask.kv.actions import Action, ColdOp
-from pask.kv.attention import OnlineSoftmax, enable_pask_attention, latent_attention
+from pask.kv.attention import OnlineSoftmax, latent_attention, use_pask_attention
 from pask.kv.cache import TieredCache
 from pask.kv.config import CacheConfig
 from pask.kv.errors import KVCacheError
@@ -35,10 +35,9 @@ def _own(lm, n: int, latent: str = "first") -> LatentProjections:
 def _run(lm, config: CacheConfig, to_latent: bool, steps: int = 4):
     """Prefill PROMPT, move every prompt token outside the window to L (a latent cache), decode greedily."""
     model = lm.model
-    enable_pask_attention(model)
     cache = TieredCache(model.config, config, 1)
     logits = []
-    with torch.inference_mode():
+    with torch.inference_mode(), use_pask_attention(model):  # the shared model gets its attention back
         out = model(input_ids=torch.tensor([PROMPT]), cache=cache, use_cache=True)
         if to_latent:
             for g in range(len(cache.groups)):

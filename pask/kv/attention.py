@@ -104,18 +104,30 @@ def tiered_attention_reference(
 
     The ``n_new`` newest H slots are the query tokens themselves (causal among them).
     """
-    hq, qn, d = q.shape
-    hkv = store.h.heads
-    grp = hq // hkv
-    qf = q.float().reshape(hkv, grp * qn, d)
-    state = OnlineSoftmax(hkv, grp * qn, d, device=q.device)
-    _h_stream(state, qf, store, scaling, qn, n_new)
+    qf, state = _with_h_stream(q, store, scaling, n_new)
     for bits in (4, 2):
         n_l = store.low(bits).n
         for a in range(0, n_l, block):
             k, v = store.low_kv(a, min(n_l, a + block), bits=bits)
             state.update(torch.matmul(qf, k.transpose(1, 2)) * scaling, v)
-    out = state.result().reshape(hkv, grp, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
+    return _output(state, q)
+
+
+def _with_h_stream(q: torch.Tensor, store: _SeqStore, scaling: float, n_new: int) -> tuple[torch.Tensor, OnlineSoftmax]:
+    """The queries ``q [Hq, qn, D]`` as fp32 ``[Hkv, rows, D]`` and a softmax state holding the H tier."""
+    hq, qn, d = q.shape
+    hkv = store.h.heads
+    qf = q.float().reshape(hkv, hq // hkv * qn, d)
+    state = OnlineSoftmax(hkv, qf.shape[1], d, device=q.device)
+    _h_stream(state, qf, store, scaling, qn, n_new)
+    return qf, state
+
+
+def _output(state: OnlineSoftmax, q: torch.Tensor) -> torch.Tensor:
+    """The state's result as ``[qn, Hq, D]`` in ``q``'s dtype."""
+    hq, qn, d = q.shape
+    hkv = state.acc.shape[0]
+    out = state.result().reshape(hkv, hq // hkv, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
     return out.to(q.dtype)
 
 
@@ -150,21 +162,14 @@ def latent_attention(
     """
     cache = layer.cache
     lat = cache.config.latent
-    store = layer.seqs[seq]
-    hq, qn, d = q.shape
-    hkv = store.h.heads
-    grp = hq // hkv
-    qf = q.float().reshape(hkv, grp * qn, d)
-    state = OnlineSoftmax(hkv, grp * qn, d, device=q.device)
-    _h_stream(state, qf, store, scaling, qn, n_new)
+    qf, state = _with_h_stream(q, layer.seqs[seq], scaling, n_new)
     z, cos, sin = cache.latent_block(seq, layer.group)
     if z.shape[0]:
         i = layer.layer_idx
         k = lat.keys(i, z, cos, sin) if keys is None else keys
         scores = torch.matmul(qf, k.transpose(1, 2)) * scaling
         state.update_projected(scores, z, lambda pz, mass: lat.project_values(i, pz, mass))
-    out = state.result().reshape(hkv, grp, qn, d).permute(2, 0, 1, 3).reshape(qn, hq, d)
-    return out.to(q.dtype)
+    return _output(state, q)
 
 
 def latent_layer(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
