@@ -1107,8 +1107,13 @@ def calibrate_bellows(
         ),
     ] = None,
     latent: Annotated[
-        str, typer.Option(help="first: the group's first-layer normed input; middle: its lower-middle layer's")
+        str,
+        typer.Option(
+            help="first: the group's first-layer normed input; middle: its lower-middle layer's; "
+            "pca: the group's K/V on their leading principal directions"
+        ),
     ] = "first",
+    dim: Annotated[int | None, typer.Option(help="pca: the latent's size (default: the model's hidden size)")] = None,
     dtype: DtypeOpt = "bf16",
     threads: ThreadsOpt = None,
     report: Annotated[
@@ -1120,7 +1125,7 @@ def calibrate_bellows(
 ) -> None:
     """BellowsKV (issue 32): fit each layer's projection from its group's shared latent (the group's
     first-layer normed input) to its pre-RoPE keys and values; print the per-layer error table."""
-    from pask.calibration.bellows import fit, markdown, source
+    from pask.calibration.bellows import fit, fit_pca, markdown, source
     from pask.experiments.provenance import check_clean, write_result
     from pask.runtime.models import load_model
     from pask.tasks import get_task
@@ -1133,6 +1138,10 @@ def calibrate_bellows(
     if len(ridge) > 1 and not held_cases:
         raise PaskError("choosing among several --ridge values needs held-out prompts (--held-cases > 0)")
     source(range(1), latent)  # --latent checked before the model loads
+    if dim is not None and (latent != "pca" or dim < 1):
+        raise PaskError("--dim is the size of a pca latent (--latent pca): a positive integer")
+    if latent == "pca" and len(ridge) > 1:
+        raise PaskError("a pca latent has no ridge: give --ridge only with --latent first|middle")
     if report is not None:
         check_clean(report, allow_dirty)
     t = get_task(task)
@@ -1149,7 +1158,10 @@ def calibrate_bellows(
     fit_p, held_p = prompts(fit_cases, cases), prompts(held, held_cases) if held_cases else []
     t0 = time.perf_counter()
     total = len(fit_p) + len(held_p)
-    proj = _with_progress(f"bellows n={n}", total, lambda advance: fit(lm, fit_p, held_p, n, ridge, advance, latent))
+    if latent == "pca":
+        proj = _with_progress(f"bellows n={n}", total, lambda advance: fit_pca(lm, fit_p, held_p, n, dim, advance))
+    else:
+        proj = _with_progress(f"bellows n={n}", total, lambda adv: fit(lm, fit_p, held_p, n, ridge, adv, latent))
     proj.meta |= {"task": task, "wall_s": round(time.perf_counter() - t0, 1), "command": _command()}
     proj.save(out)
     md = markdown(proj, lm.model.config)

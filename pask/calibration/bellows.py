@@ -226,23 +226,147 @@ def _solve(model, fit_m: Moments, held_m: Moments | None, group_of: list[range],
     return weights, errors
 
 
-def compression(model_config, n: int, latent_bits: int = 16, quant_group: int = 32) -> float:
+@dataclass
+class KVMoments:
+    """Per block: the sum and the sum of outer products of the block's concatenated pre-RoPE K/V rows."""
+
+    ysum: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> [p]
+    yyt: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> [p, p]
+    tokens: int = 0
+
+    def add(self, group_of: list[range], cap: _Capture) -> None:
+        for g, layers in enumerate(group_of):
+            y = torch.cat([torch.cat(cap.kv[layer], dim=1) for layer in layers], dim=1)
+            self.ysum[g] = self.ysum.get(g, 0) + y.sum(0)
+            self.yyt[g] = self.yyt.get(g, 0) + y.T @ y
+        self.tokens += y.shape[0]
+
+
+def collect_kv(model, prompts: Sequence[Sequence[int]], n: int, progress: Callable[[int], None] | None = None):
+    """The :class:`KVMoments` of ``prompts`` (each run alone through the model)."""
+    group_of = groups(len(_layers(model)), n)
+    cap = _Capture(model)
+    mom = KVMoments()
+    try:
+        with torch.inference_mode():
+            for ids in prompts:
+                model(torch.tensor([list(ids)]), use_cache=False)
+                mom.add(group_of, cap)
+                cap.normed.clear()
+                cap.kv.clear()
+                if progress:
+                    progress(1)
+    finally:
+        cap.close()
+    return mom
+
+
+def _pca_errors(mom: KVMoments, g: int, mu, scale, basis, kv: int, layers: range) -> list[tuple[float, float]]:
+    """Relative RMS error (keys, values) of each layer of block ``g`` on ``mom``'s tokens when its K/V go
+    through the latent: centred at the fit's ``mu``, scaled, projected on ``basis`` and back."""
+    n_tok = max(mom.tokens, 1)
+    mean = mom.ysum[g] / n_tok
+    about_mu = (mom.yyt[g] - torch.outer(mom.ysum[g], mu) - torch.outer(mu, mom.ysum[g])) / n_tok + torch.outer(mu, mu)
+    cn = about_mu / torch.outer(scale, scale)
+    resid = torch.eye(cn.shape[0], dtype=cn.dtype) - basis @ basis.T
+    sse = (resid @ cn @ resid.T).diagonal() * scale * scale * n_tok
+    ss = (mom.yyt[g].diagonal() - n_tok * mean * mean).clamp_min(0)
+    out = []
+    for j in range(len(layers)):
+        row = []
+        for part in range(2):
+            cols = slice((2 * j + part) * kv, (2 * j + part + 1) * kv)
+            den = float(ss[cols].sum())
+            row.append(math.sqrt(float(sse[cols].sum().clamp_min(0)) / den) if den > 0 else 0.0)
+        out.append((row[0], row[1]))
+    return out
+
+
+def fit_pca(
+    lm,
+    fit_prompts: Sequence[Sequence[int]],
+    held_prompts: Sequence[Sequence[int]],
+    n: int,
+    dim: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> LatentProjections:
+    """The ``"pca"`` latent: each block's concatenated pre-RoPE K/V (every layer's K and V scaled to
+    unit RMS about the mean) on its ``dim`` leading principal directions of the calibration
+    prompts (default: the model's hidden size, so a latent takes the bytes of a hidden-state one).
+
+    Encoder per block ``z = ((y - mu) / s) P``; each layer's projection back ``y_l = mu_l + s_l (P_l
+    z)``, in the file's affine ``[dim + 1, 2 kv_dim]`` form. Errors on both prompt sets as for the
+    other latents. A latent is a linear function of the block's normed inputs (each layer's K/V is),
+    the one with the least reconstruction error for its size."""
+    if not fit_prompts:
+        raise PaskError("no prompts to fit on")
+    model = lm.model
+    group_of = groups(len(_layers(model)), n)
+    kv = _kv_dim(model)
+    hidden = int(model.config.hidden_size)
+    dim = hidden if dim is None else dim
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise PaskError(f"--dim must be a positive integer, got {dim!r}")
+    fit_m = collect_kv(model, fit_prompts, n, progress)
+    held_m = collect_kv(model, held_prompts, n, progress) if held_prompts else None
+    weights: dict[int, torch.Tensor] = {}
+    encoders: dict[int, torch.Tensor] = {}
+    errors, explained = [], []
+    for g, layers in enumerate(group_of):
+        n_tok = fit_m.tokens
+        mu = fit_m.ysum[g] / n_tok
+        cov = fit_m.yyt[g] / n_tok - torch.outer(mu, mu)
+        var = cov.diagonal().clamp_min(1e-12)
+        scale = torch.cat([var[c * kv : (c + 1) * kv].mean().sqrt().expand(kv) for c in range(2 * len(layers))])
+        cn = cov / torch.outer(scale, scale)
+        evals, evecs = torch.linalg.eigh(cn)
+        d = min(dim, min(2 * kv * len(r) for r in group_of))  # one latent size for every block
+        basis = evecs[:, -d:].flip(1)  # [p, d], leading direction first
+        explained.append(round(float(evals[-d:].sum() / evals.sum()), 5))
+        enc_w = basis / scale[:, None]
+        encoders[g] = torch.cat([enc_w, (-(mu / scale) @ basis)[None]], dim=0).float()
+        for j, layer in enumerate(layers):
+            cols = slice(2 * j * kv, 2 * (j + 1) * kv)
+            w = (basis[cols] * scale[cols, None]).T  # [d, 2 kv]
+            weights[layer] = torch.cat([w, mu[cols][None]], dim=0).float()
+        fit_e = _pca_errors(fit_m, g, mu, scale, basis, kv, layers)
+        held_e = _pca_errors(held_m, g, mu, scale, basis, kv, layers) if held_m else None
+        for j, layer in enumerate(layers):
+            row = {"layer": layer, "group": g, "own": False,
+                   "fit_k": round(fit_e[j][0], 5), "fit_v": round(fit_e[j][1], 5)}  # fmt: skip
+            if held_e:
+                row["held_k"], row["held_v"] = round(held_e[j][0], 5), round(held_e[j][1], 5)
+            errors.append(row)
+    meta = {"fit_tokens": fit_m.tokens, "held_tokens": held_m.tokens if held_m else 0,
+            "fit_prompts": len(fit_prompts), "held_prompts": len(held_prompts), "dim": d,
+            "explained_variance": explained}  # fmt: skip
+    return LatentProjections(lm.name, lm.fingerprint, n, 0.0, weights, errors, meta, "pca", None, encoders)
+
+
+def compression(model_config, n: int, latent_bits: int = 16, quant_group: int = 32, dim: int | None = None) -> float:
     """Full-KV bytes of a group's ``n`` layers over one BF16 / packed latent per token (scales included:
-    a bf16 scale and zero per ``quant_group`` values below 16 bits)."""
+    a bf16 scale and zero per ``quant_group`` values below 16 bits; ``dim``: the latent's size, the
+    hidden size by default)."""
     cfg = model_config
     hidden = cfg.hidden_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return n * 2 * kv_heads * head_dim * 2 / latent_bytes(hidden, latent_bits, quant_group)
+    return n * 2 * kv_heads * head_dim * 2 / latent_bytes(dim or hidden, latent_bits, quant_group)
 
 
 def markdown(proj: LatentProjections, model_config=None) -> str:
     """The per-layer reconstruction-error table of a projections file."""
+    if proj.latent == "pca":
+        what = (f"each group's pre-RoPE K/V (every layer's K and V at unit RMS) on its {proj.hidden} leading "
+                f"principal directions (explained variance per group: "
+                f"{', '.join(f'{x:.4f}' for x in proj.meta.get('explained_variance', []))})")  # fmt: skip
+    else:
+        what = (f"each group's {'first' if proj.latent == 'first' else 'lower-middle'}-layer input after its "
+                f"input norm; ridge {proj.ridge:g}")  # fmt: skip
     lines = [
         f"# BellowsKV latent projections: {proj.model_name}, n = {proj.n}",
         "",
-        f"Latent: each group's {'first' if proj.latent == 'first' else 'lower-middle'}-layer input after its "
-        f"input norm; ridge {proj.ridge:g}; fitted on "
+        f"Latent: {what}; fitted on "
         f"{proj.meta.get('fit_prompts')} prompts ({proj.meta.get('fit_tokens')} tokens), held out "
         f"{proj.meta.get('held_prompts')} prompts ({proj.meta.get('held_tokens')} tokens).",
     ]
@@ -250,7 +374,8 @@ def markdown(proj: LatentProjections, model_config=None) -> str:
         parts = ", ".join(f"{r['ridge']:g}: {r['mean_held_error']:.4f}" for r in search)
         lines += ["", f"Ridge chosen by the mean held-out error of the fitted layers ({parts})."]
     if model_config is not None:
-        parts = ", ".join(f"{b}-bit {compression(model_config, proj.n, b):.2f}x" for b in (16, 8, 4, 2))
+        dim = proj.hidden if proj.latent == "pca" else None
+        parts = ", ".join(f"{b}-bit {compression(model_config, proj.n, b, dim=dim):.2f}x" for b in (16, 8, 4, 2))
         lines += ["", f"Compression over Full KV per token for a full group of {proj.n} layers: {parts}."]
     lines += [
         "",

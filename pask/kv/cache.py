@@ -191,7 +191,7 @@ class TieredLayer(CacheLayerMixin):
             and native_attention.append_h(self.seqs, key_states, value_states)
         ):
             return key_states, value_states
-        z = normed_input(self.layer_idx, *key_states.shape[::2]) if self.latent_source else None
+        z = normed_input(self.layer_idx, *key_states.shape[::2]) if self.latent_source and lat.captures else None
         for b, store in enumerate(self.seqs):
             if store is None:
                 continue
@@ -525,11 +525,15 @@ class TieredCache(Cache):
         slots = ix.slot_of.t[pos].long()
         group = self.group_of[layers[0].layer_idx]
         lat = self.config.latent
-        if lat is not None:  # the block's latent (held beside the source's H slots) moves to its L tier
+        if lat is not None and lat.captures:  # the latent (held beside the source's H slots) moves to its L tier
             src = self.layers[lat.sources[group]].seqs[seq]
             kept = src.h.take(slots)
             src.l.append(**{k: kept[k] for k in src.l.parts})
             layers = []  # no layer keeps its K/V of these tokens
+        elif lat is not None:  # pca: the block's exact K/V encoded into its latent, held by its first layer
+            kv = [(t["k"], t["v"]) for t in (layer.seqs[seq].h.take(slots) for layer in layers)]
+            self.layers[lat.sources[group]].seqs[seq].append_latent(lat.encode_kv(group, kv, pos))
+            layers = []
         for layer in layers:
             st = layer.seqs[seq]
             if tier == H:

@@ -41,16 +41,17 @@ from pask.kv.errors import KVCacheError, UnsupportedModelError
 from pask.kv.quant import dequantize_codes, pack_pairs, pack_quads, quantize_codes, unpack_pairs, unpack_quads
 
 FORMAT = "pask-bellows/1"
-LATENTS = ("first", "middle")
+LATENTS = ("first", "middle", "pca")
 LATENT_BITS = (16, 8, 4, 2)
 
 
 def source(layers: range, latent: str = "first") -> int:
     """The layer whose normed input is the group's latent: its first (``"first"``) or its lower
-    middle layer (``"middle"``: ``start + (len - 1) // 2``)."""
+    middle layer (``"middle"``: ``start + (len - 1) // 2``); for ``"pca"`` (the block's K/V on their
+    principal directions) the first layer, which holds the block's latents."""
     if latent not in LATENTS:
         raise PaskError(f"--latent must be one of {', '.join(LATENTS)}, got {latent!r}")
-    return layers.start if latent == "first" else layers.start + (len(layers) - 1) // 2
+    return layers.start + (len(layers) - 1) // 2 if latent == "middle" else layers.start
 
 
 def groups(num_layers: int, n: int) -> list[range]:
@@ -73,6 +74,7 @@ class LatentProjections:
     meta: dict = field(default_factory=dict)
     latent: str = "first"
     path: str | None = None
+    encoders: dict[int, torch.Tensor] = field(default_factory=dict)  # pca: block -> [n 2kv_dim + 1, dim]
 
     def __deepcopy__(self, memo) -> LatentProjections:
         """Shared, not copied: a file's projections are read-only (per-request policy copies would
@@ -81,6 +83,7 @@ class LatentProjections:
 
     @property
     def hidden(self) -> int:
+        """The latent's dimension (the model's hidden size, or the principal directions kept for ``"pca"``)."""
         return int(next(iter(self.weights.values())).shape[0]) - 1
 
     @property
@@ -104,7 +107,9 @@ class LatentProjections:
             "meta": json.dumps(self.meta),
         }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file({f"weight.{i}": w.contiguous() for i, w in self.weights.items()}, str(path), metadata=header)
+        tensors = {f"weight.{i}": w.contiguous() for i, w in self.weights.items()}
+        tensors |= {f"encoder.{g}": e.contiguous() for g, e in self.encoders.items()}
+        save_file(tensors, str(path), metadata=header)
 
 
 def load(path: Path | str, fingerprint: str | None = None) -> LatentProjections:
@@ -117,14 +122,18 @@ def load(path: Path | str, fingerprint: str | None = None) -> LatentProjections:
     try:
         with safe_open(str(path), "pt") as f:
             head = f.metadata() or {}
-            weights = {int(k.split(".")[1]): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            names = list(f.keys())
+            weights = {int(k.split(".")[1]): f.get_tensor(k) for k in names if k.startswith("weight.")}
+            encoders = {int(k.split(".")[1]): f.get_tensor(k) for k in names if k.startswith("encoder.")}
     except (SafetensorError, OSError, ValueError) as e:
         raise PaskError(f"{path} is not a BellowsKV projections file: {e}") from None
     if head.get("format") != FORMAT:
         raise PaskError(f"{path} is not a BellowsKV projections file (format {head.get('format')!r})")
     proj = LatentProjections(head["model"], head["fingerprint"], int(head["n"]), float(head["ridge"]), weights,
                              json.loads(head["errors"]), json.loads(head.get("meta", "{}")),
-                             head.get("latent", "first"), str(path))  # fmt: skip
+                             head.get("latent", "first"), str(path), encoders)  # fmt: skip
+    if proj.latent == "pca" and len(encoders) != len(proj.groups()):
+        raise PaskError(f"{path}: a pca latent needs an encoder per block ({len(encoders)} of {len(proj.groups())})")
     check_fingerprint(proj, fingerprint)
     return proj
 
@@ -226,6 +235,12 @@ class LatentTier:
     wv: dict[int, torch.Tensor]  # layer -> [Hkv, hidden, D]
     bv: dict[int, torch.Tensor]  # layer -> [Hkv, D]
     rotary: torch.nn.Module
+    encoders: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # pca: block -> (W, b)
+
+    @property
+    def captures(self) -> bool:
+        """The latent is a layer's normed input, captured at the forward (not ``"pca"``, encoded from K/V)."""
+        return self.projections.latent != "pca"
 
     @classmethod
     def bind(
@@ -238,7 +253,8 @@ class LatentTier:
         layers = int(cfg.num_hidden_layers)
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        if len(proj.weights) != layers or proj.hidden != cfg.hidden_size or proj.kv_dim != kv_heads * head_dim:
+        want_dim = proj.hidden if proj.latent == "pca" else cfg.hidden_size
+        if len(proj.weights) != layers or proj.hidden != want_dim or proj.kv_dim != kv_heads * head_dim:
             raise PaskError(
                 f"{proj.path or 'the projections'} do not fit this model: {len(proj.weights)} layers, hidden "
                 f"{proj.hidden}, kv {proj.kv_dim} (model: {layers}, {cfg.hidden_size}, {kv_heads * head_dim})"
@@ -262,9 +278,13 @@ class LatentTier:
         rotary = getattr(inner, "rotary_emb", None)
         if rotary is None:
             raise UnsupportedModelError(f"{type(model).__name__} has no rotary_emb: the latent tier needs RoPE")
-        capture(model, sources)
+        encoders = {}
+        if proj.latent == "pca":
+            encoders = {g: (e[:-1].float().contiguous(), e[-1].float().contiguous()) for g, e in proj.encoders.items()}
+        else:
+            capture(model, sources)
         return cls(proj, bits, grp, sources, proj.hidden, kv_heads, head_dim, dtype, quant_group,
-                   wk, bk, wv, bv, rotary)  # fmt: skip
+                   wk, bk, wv, bv, rotary, encoders)  # fmt: skip
 
     def __deepcopy__(self, memo) -> LatentTier:
         """Shared, not copied: bound, read-only state (a copied cache keeps the same tier, so its
@@ -316,6 +336,23 @@ class LatentTier:
         probe = torch.empty(0, dtype=torch.float32)
         cos, sin = self.rotary(probe, positions.long().view(1, -1))
         return cos[0].float(), sin[0].float()
+
+    def encode_kv(
+        self, group: int, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
+    ) -> torch.Tensor:
+        """A ``"pca"`` block's latents ``[m, dim]`` from its layers' exact ``(K post-RoPE, V)`` ``[Hkv, m,
+        D]`` (block order) at ``positions``: keys rotated back to pre-RoPE, the block's K/V
+        concatenated as the fit saw them, then the encoder (centre, scale, principal directions)."""
+        cos, sin = self.rope(positions)
+        half = self.head_dim // 2
+        parts = []
+        for k, v in kv:
+            k = k.float()
+            rot = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+            pre = k * cos - rot * sin  # the inverse rotation
+            parts += [pre.transpose(0, 1).flatten(1), v.float().transpose(0, 1).flatten(1)]  # [m, Hkv D] each
+        w, b = self.encoders[group]
+        return torch.cat(parts, dim=1) @ w + b
 
     def keys(self, layer: int, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys ``[Hkv, m, D]`` (fp32) of ``layer`` from latents ``z [m, hidden]`` with their

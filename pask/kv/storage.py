@@ -452,7 +452,8 @@ class _SeqStore:
         self._kv_slot_bytes = sum(p.slot_bytes(heads) for p in kv.values())
         # a latent source layer (pask.kv.latent): its H slots also hold each token's latent
         self.latent = latent
-        self.h = _Tier({**kv, **latent.parts(heads)} if latent else kv, heads, device, cfg, stats)
+        captured = latent is not None and latent.captures
+        self.h = _Tier({**kv, **latent.parts(heads)} if captured else kv, heads, device, cfg, stats)
 
         def low(bits: int, kbits: int) -> _Tier:
             per_byte = 8 // bits
