@@ -146,3 +146,22 @@ def test_several_ridges_keep_the_lowest_held_out_error(smol):
     assert "Ridge chosen by the mean held-out error" in markdown(proj)
     with pytest.raises(PaskError, match="needs held-out prompts"):
         fit(smol, PROMPTS, [], n=2, ridge=[1e-4, 1.0])
+
+
+def test_calibrate_bellows_pca_options(tmp_path):
+    from typer.testing import CliRunner
+
+    from pask.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "p.safetensors"
+    args = ["calibrate-bellows", "--model", "smollm2-135m", "--dtype", "fp32", "--task", "sql", "--out", str(out)]
+    ridges = ["--ridge", "1", "--ridge", "2", "--held-cases", "1"]
+    for bad, match in ((["--dim", "64"], "--dim is the size of a pca latent"),
+                       (["--latent", "pca", "--dim", "0"], "--dim is the size of a pca latent"),
+                       (["--latent", "pca", *ridges], "has no ridge")):  # fmt: skip
+        res = runner.invoke(app, [*args, "--cases", "1", *bad])
+        assert res.exit_code == 2 and match in res.output, res.output
+    res = runner.invoke(app, [*args, "--latent", "pca", "--dim", "64", "--n", "2", "--cases", "2", "--held-cases", "1"])
+    assert res.exit_code == 0, res.output
+    assert load(out).hidden == 64 and "64 leading principal directions" in res.output

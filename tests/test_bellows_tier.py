@@ -248,3 +248,74 @@ def test_the_batched_layer_equals_each_row_alone(smol):
             got = latent_layer(batch.layers[i], q, 0.125)
             for b in range(2):
                 torch.testing.assert_close(got[b], latent_attention(batch.layers[i], b, q[b], 0.125))
+
+
+# -- the pca latent -------------------------------------------------------------------------------
+def _pca(lm, n: int):
+    from pask.calibration.bellows import fit_pca
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 5000, (60,), generator=gen).tolist() for _ in range(4)]
+    return fit_pca(lm, prompts[:3], prompts[3:], n)
+
+
+def test_pca_n1_latent_cache_equals_full_kv(smol):
+    proj = _pca(smol, 1)
+    assert proj.hidden == 384 and all(r["held_k"] < 1e-3 and r["held_v"] < 1e-3 for r in proj.errors)  # full rank
+    want, _ = _run(smol, CacheConfig(num_groups=1, recent_window=WINDOW), False)
+    tier = LatentTier.bind(proj, smol.model, 16, smol.fingerprint)
+    assert not tier.captures
+    got, _ = _run(smol, CacheConfig(num_groups=len(tier.groups), latent=tier, recent_window=WINDOW), True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_pca_encodes_the_exact_pre_rope_kv(smol):
+    """The cache encodes a token from its layers' stored (post-RoPE) K/V: the same latent the
+    encoder gives for the pre-RoPE K/V the model computed."""
+    from pask.calibration.bellows import _Capture
+
+    proj = _pca(smol, 4)
+    tier = LatentTier.bind(proj, smol.model, 16, smol.fingerprint)
+    _, cache = _run(smol, CacheConfig(num_groups=len(tier.groups), latent=tier, recent_window=WINDOW), True, 0)
+    cap = _Capture(smol.model)
+    try:
+        with torch.inference_mode():
+            smol.model(torch.tensor([PROMPT]), use_cache=False)
+        m = len(PROMPT) - WINDOW
+        for g, layers in enumerate(tier.groups):
+            y = torch.cat([torch.cat(cap.kv[i], dim=1) for i in layers], dim=1)[:m].float()
+            w, b = tier.encoders[g]
+            z, _, _ = cache.latent_block(0, g)
+            torch.testing.assert_close(z, y @ w + b, rtol=1e-4, atol=1e-4)
+            assert cache.layers[layers.start].seqs[0].h.n == WINDOW  # no latent held beside the H slots
+    finally:
+        cap.close()
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_pca_measured_bytes_equal_the_cost_model(smol, bits):
+    proj = _pca(smol, 2)
+    tier = LatentTier.bind(proj, smol.model, bits, smol.fingerprint)
+    _, cache = _run(smol, CacheConfig(num_groups=len(tier.groups), latent=tier, recent_window=WINDOW), True, 3)
+    spec = cache.spec
+    kv = 2 * spec.num_kv_heads * spec.head_dim * 4
+    lat = latent_bytes(proj.hidden, bits, 32, dtype_bytes=4)
+    n_l, n_h = len(PROMPT) - WINDOW, WINDOW + 3
+    held, full = cache.budget_bytes()
+    assert sum(held) == n_l * lat * len(tier.groups) + n_h * spec.num_layers * kv
+    assert sum(full) == (n_l + n_h) * spec.num_layers * kv
+
+
+def test_a_pca_file_needs_its_encoders(smol, tmp_path):
+    from pask.kv.latent import load
+
+    proj = _pca(smol, 4)
+    path = tmp_path / "pca.safetensors"
+    proj.save(path)
+    back = load(path)
+    assert back.latent == "pca" and sorted(back.encoders) == list(range(8))
+    torch.testing.assert_close(back.encoders[3], proj.encoders[3])
+    proj.encoders = {0: proj.encoders[0]}
+    proj.save(path)
+    with pytest.raises(PaskError, match="needs an encoder per block"):
+        load(path)
