@@ -319,3 +319,19 @@ def test_a_pca_file_needs_its_encoders(smol, tmp_path):
     proj.save(path)
     with pytest.raises(PaskError, match="needs an encoder per block"):
         load(path)
+
+
+def test_a_pca_latent_cut_to_fewer_dimensions(smol):
+    proj = _pca(smol, 2)
+    cut = proj.truncated(100)
+    assert cut.hidden == 100 and cut.encoders[0].shape == (2 * 384 + 1, 100)
+    torch.testing.assert_close(cut.weights[3][:100], proj.weights[3][:100])
+    torch.testing.assert_close(cut.weights[3][-1], proj.weights[3][-1])  # the bias (the mean) stays
+    p = get_policy("bellows", projections=proj, bits=4, dim=100)
+    assert p.latent.ratio() == pytest.approx(latent_bytes(100, 4) / (2 * 2 * 192 * 2))
+    tier = LatentTier.bind(p.projections, smol.model, 16, smol.fingerprint)
+    assert tier.hidden == 100
+    with pytest.raises(PaskError, match="only a pca latent"):
+        _own(smol, 2).truncated(10)
+    with pytest.raises(PaskError, match=r"dim must be an integer in \[1, 576\]"):
+        proj.truncated(577)

@@ -93,6 +93,21 @@ class LatentProjections:
     def groups(self) -> list[range]:
         return groups(len(self.weights), self.n)
 
+    def truncated(self, dim: int) -> LatentProjections:
+        """A ``"pca"`` latent cut to its ``dim`` leading principal directions (the basis is stored
+        leading direction first, so this is the ``dim``-dimensional PCA latent of the same fit)."""
+        if self.latent != "pca":
+            raise PaskError(f"only a pca latent can be cut to fewer dimensions, not a {self.latent!r} one")
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= self.hidden:
+            raise PaskError(f"dim must be an integer in [1, {self.hidden}] (the file's latent size), got {dim!r}")
+        if dim == self.hidden:
+            return self
+        weights = {i: torch.cat([w[:dim], w[-1:]]) for i, w in self.weights.items()}
+        encoders = {g: e[:, :dim].contiguous() for g, e in self.encoders.items()}
+        meta = {**self.meta, "dim": dim, "truncated_from": self.hidden}
+        return LatentProjections(self.model_name, self.fingerprint, self.n, self.ridge, weights, [], meta,
+                                 self.latent, self.path, encoders)  # fmt: skip
+
     def save(self, path: Path | str) -> None:
         from safetensors.torch import save_file
 

@@ -64,11 +64,14 @@ class BellowsPolicy(PolicyBase):
     budget : float, optional
         The B the caller expects (a sweep's cell label): checked against the latent's ratio
         (within :data:`BUDGET_SLACK`), since ``n`` and ``bits`` fix B; ``None``: not checked.
+    dim : int, optional
+        A ``"pca"`` latent cut to its ``dim`` leading principal directions (fewer bytes per token).
     """
 
     projections: str | LatentProjections
     bits: int = 4
     budget: float | None = None
+    dim: int | None = None
 
     name: ClassVar[str] = "bellows"
 
@@ -76,6 +79,8 @@ class BellowsPolicy(PolicyBase):
         if self.bits not in LATENT_BITS or isinstance(self.bits, bool):
             raise PaskError(f"bellows: bits must be one of {', '.join(map(str, LATENT_BITS))}, got {self.bits!r}")
         self.projections = _projections(self.projections)
+        if self.dim is not None:
+            self.projections = self.projections.truncated(self.dim)
         self.latent = LatentSpec(self.projections, self.bits)
         if self.budget is not None:
             self.budget = check_budget(self.budget, self.name)
