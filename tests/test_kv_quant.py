@@ -85,8 +85,9 @@ def test_int2_bytes_and_quad_layout():
 
 @pytest.mark.parametrize("bits", [0, 1, 3, 8])
 def test_bad_code_width_raises(bits):
-    with pytest.raises(PaskError, match="2 or 4 bits"):
-        quantize_codes(torch.zeros(1, 64), bits=bits)
+    if bits != 8:  # 8-bit codes quantise (BellowsKV's INT8 latent), but no K/V tier holds them
+        with pytest.raises(PaskError, match="2 or 4 bits"):
+            quantize_codes(torch.zeros(1, 64), bits=bits)
     with pytest.raises(PaskError, match="2 or 4 bits"):
         lowbit_bytes_per_vector(64, 32, bits)
 

@@ -509,7 +509,8 @@ def parse_config(
         for m, t, s, p in itertools.product(models, tasks, splits, policies):
             opts, tables, pcfg, t_threads = task_opts[t]
             for b in [None] if p == "full" else budgets:
-                pc = {**pcfg.get(p, {}), **pcfg.get(f"{p}@{b:g}", {})}  # "<policy>@<budget>": that cell's own
+                own = pcfg.get(f"{p}@{b:g}", {}) if b is not None else {}  # "<policy>@<budget>": that cell's own
+                pc = {**pcfg.get(p, {}), **own}
                 cell = Cell(m, t, s, p, b, dtype, dict(opts), pc)
                 # --threads beats the task's threads, which beat the top-level threads
                 cell.threads = top_threads if threads is not None else (t_threads or top_threads)

@@ -41,6 +41,7 @@ from pask.kv.errors import KVCacheError, UnsupportedModelError
 from pask.kv.quant import dequantize_codes, pack_pairs, pack_quads, quantize_codes, unpack_pairs, unpack_quads
 
 FORMAT = "pask-bellows/1"
+SCALE_DTYPE = torch.bfloat16  # scales and zeros of quantised latents (as the K/V tiers')
 LATENTS = ("first", "middle", "pca")
 LATENT_BITS = (16, 8, 4, 2)
 
@@ -307,22 +308,16 @@ class LatentTier:
         return self
 
     # -- storage parts (the source layer's H and L tiers; see pask.kv.storage._Plain) -----------
-    def parts(self, heads: int) -> dict:
-        """The parts of one latent per slot, split over the tier's ``heads`` rows."""
-        from pask.kv.storage import SCALE_DTYPE, _Plain
-
+    def part_shapes(self, heads: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The storage parts of one latent per slot, split over the tier's ``heads`` rows: name ->
+        (per-row shape, dtype); :mod:`pask.kv.storage` lays them out."""
         per = self.hidden // heads
         if self.bits == 16:
-            return {"z": _Plain((), (per,), self.dtype)}
-        return {
-            "zq": _Plain((), (per * self.bits // 8,), torch.uint8),
-            "zs": _Plain((), (per // self.quant_group, 2), SCALE_DTYPE),
-        }
+            return {"z": ((per,), self.dtype)}
+        return {"zq": ((per * self.bits // 8,), torch.uint8), "zs": ((per // self.quant_group, 2), SCALE_DTYPE)}
 
     def encode(self, z: torch.Tensor, heads: int) -> dict[str, torch.Tensor]:
         """Latents ``[n, hidden]`` -> the parts ``[heads, n, ...]`` (quantised below 16 bits)."""
-        from pask.kv.storage import SCALE_DTYPE
-
         n = z.shape[0]
         rows = z.reshape(n, heads, self.hidden // heads).transpose(0, 1)  # [heads, n, per]
         if self.bits == 16:

@@ -416,6 +416,11 @@ def key_balance(keys: torch.Tensor) -> torch.Tensor:
     return torch.stack([(hi + lo) / 2, (hi - lo).clamp_min(1e-4).sqrt()], dim=1)
 
 
+def _latent_parts(latent: LatentTier, heads: int) -> dict:
+    """A latent tier's storage parts (:meth:`~pask.kv.latent.LatentTier.part_shapes`) as plain parts."""
+    return {name: _Plain((), shape, dtype) for name, (shape, dtype) in latent.part_shapes(heads).items()}
+
+
 class _SeqStore:
     """One sequence's tiers in one layer.
 
@@ -453,7 +458,7 @@ class _SeqStore:
         # a latent source layer (pask.kv.latent): its H slots also hold each token's latent
         self.latent = latent
         captured = latent is not None and latent.captures
-        self.h = _Tier({**kv, **latent.parts(heads)} if captured else kv, heads, device, cfg, stats)
+        self.h = _Tier({**kv, **_latent_parts(latent, heads)} if captured else kv, heads, device, cfg, stats)
 
         def low(bits: int, kbits: int) -> _Tier:
             per_byte = 8 // bits
@@ -468,7 +473,7 @@ class _SeqStore:
 
         self.l2_kbits = check_bits(getattr(cfg, "l2_key_bits", 2))  # K4V2 when 4
         # the L tier of a latent source layer holds latents (the block's L tokens), else INT4 K/V
-        self.l = _Tier(latent.parts(heads), heads, device, cfg, stats) if latent else low(4, 4)
+        self.l = _Tier(_latent_parts(latent, heads), heads, device, cfg, stats) if latent else low(4, 4)
         self.l2 = low(2, self.l2_kbits)
         self._low_tier = low
         self.cold: _Tier | None = None  # KVFetch's cold tier (created on the first demotion)
