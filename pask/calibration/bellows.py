@@ -122,6 +122,23 @@ class Moments:
         self.tokens += n_tok or 0
 
 
+def _accumulate(model, prompts: Sequence[Sequence[int]], n: int, add: Callable, progress: Callable | None) -> None:
+    """Run each prompt alone through the model with the capture hooks on; ``add(groups, capture)`` after each."""
+    group_of = groups(len(_layers(model)), n)
+    cap = _Capture(model)
+    try:
+        with torch.inference_mode():
+            for ids in prompts:
+                model(torch.tensor([list(ids)]), use_cache=False)
+                add(group_of, cap)
+                cap.normed.clear()
+                cap.kv.clear()
+                if progress:
+                    progress(1)
+    finally:
+        cap.close()
+
+
 def collect(
     model,
     prompts: Sequence[Sequence[int]],
@@ -130,20 +147,8 @@ def collect(
     latent: str = "first",
 ) -> Moments:
     """The moments of the latents and K/V of ``prompts`` (each run alone through the model)."""
-    group_of = groups(len(_layers(model)), n)
-    cap = _Capture(model)
     mom = Moments()
-    try:
-        with torch.inference_mode():
-            for ids in prompts:
-                model(torch.tensor([list(ids)]), use_cache=False)
-                mom.add(group_of, cap, latent)
-                cap.normed.clear()
-                cap.kv.clear()
-                if progress:
-                    progress(1)
-    finally:
-        cap.close()
+    _accumulate(model, prompts, n, lambda group_of, cap: mom.add(group_of, cap, latent), progress)
     return mom
 
 
@@ -244,20 +249,8 @@ class KVMoments:
 
 def collect_kv(model, prompts: Sequence[Sequence[int]], n: int, progress: Callable[[int], None] | None = None):
     """The :class:`KVMoments` of ``prompts`` (each run alone through the model)."""
-    group_of = groups(len(_layers(model)), n)
-    cap = _Capture(model)
     mom = KVMoments()
-    try:
-        with torch.inference_mode():
-            for ids in prompts:
-                model(torch.tensor([list(ids)]), use_cache=False)
-                mom.add(group_of, cap)
-                cap.normed.clear()
-                cap.kv.clear()
-                if progress:
-                    progress(1)
-    finally:
-        cap.close()
+    _accumulate(model, prompts, n, mom.add, progress)
     return mom
 
 
