@@ -1114,6 +1114,13 @@ def calibrate_bellows(
         ),
     ] = "first",
     dim: Annotated[int | None, typer.Option(help="pca: the latent's size (default: the model's hidden size)")] = None,
+    key_dim: Annotated[
+        int | None,
+        typer.Option(
+            help="pca: split the latent, its first KEY_DIM values the keys' own principal directions and the "
+            "rest the values' (keys are rebuilt from KEY_DIM values only: less decode compute)"
+        ),
+    ] = None,
     dtype: DtypeOpt = "bf16",
     threads: ThreadsOpt = None,
     report: Annotated[
@@ -1140,6 +1147,8 @@ def calibrate_bellows(
     source(range(1), latent)  # --latent checked before the model loads
     if dim is not None and (latent != "pca" or dim < 1):
         raise PaskError("--dim is the size of a pca latent (--latent pca): a positive integer")
+    if key_dim is not None and (latent != "pca" or dim is None or key_dim < 1):
+        raise PaskError("--key-dim splits a pca latent of a given size: --latent pca --dim D --key-dim K, 0 < K < D")
     if latent == "pca" and len(ridge) > 1:
         raise PaskError("a pca latent has no ridge: give --ridge only with --latent first|middle")
     if report is not None:
@@ -1159,7 +1168,7 @@ def calibrate_bellows(
     t0 = time.perf_counter()
     total = len(fit_p) + len(held_p)
     if latent == "pca":
-        proj = _with_progress(f"bellows n={n}", total, lambda advance: fit_pca(lm, fit_p, held_p, n, dim, advance))
+        proj = _with_progress(f"bellows n={n}", total, lambda adv: fit_pca(lm, fit_p, held_p, n, dim, adv, key_dim))
     else:
         proj = _with_progress(f"bellows n={n}", total, lambda adv: fit(lm, fit_p, held_p, n, ridge, adv, latent))
     proj.meta |= {"task": task, "wall_s": round(time.perf_counter() - t0, 1), "command": _command()}

@@ -159,9 +159,32 @@ def test_calibrate_bellows_pca_options(tmp_path):
     ridges = ["--ridge", "1", "--ridge", "2", "--held-cases", "1"]
     for bad, match in ((["--dim", "64"], "--dim is the size of a pca latent"),
                        (["--latent", "pca", "--dim", "0"], "--dim is the size of a pca latent"),
-                       (["--latent", "pca", *ridges], "has no ridge")):  # fmt: skip
+                       (["--latent", "pca", *ridges], "has no ridge"),
+                       (["--latent", "pca", "--key-dim", "32"], "--key-dim splits a pca latent of a given size"),
+                       (["--latent", "first", "--key-dim", "32"], "--key-dim splits a pca latent of a given size"),
+                       (["--latent", "pca", "--dim", "64", "--key-dim", "0"], "--key-dim splits")):  # fmt: skip
         res = runner.invoke(app, [*args, "--cases", "1", *bad])
         assert res.exit_code == 2 and match in res.output, res.output
     res = runner.invoke(app, [*args, "--latent", "pca", "--dim", "64", "--n", "2", "--cases", "2", "--held-cases", "1"])
     assert res.exit_code == 0, res.output
     assert load(out).hidden == 64 and "64 leading principal directions" in res.output
+
+
+def test_calibrate_bellows_split_pca(tmp_path):
+    from typer.testing import CliRunner
+
+    from pask.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "p.safetensors"
+    args = ["calibrate-bellows", "--model", "smollm2-135m", "--dtype", "fp32", "--task", "sql", "--out", str(out),
+            "--latent", "pca", "--n", "2", "--cases", "2", "--held-cases", "1"]  # fmt: skip
+    res = runner.invoke(app, [*args, "--dim", "500", "--key-dim", "64"])  # 436 values' dims > 2 x 192
+    assert res.exit_code == 2 and "--key-dim must be an integer in [1, 384]" in res.output, res.output
+    res = runner.invoke(app, [*args, "--dim", "160", "--key-dim", "64"])
+    assert res.exit_code == 0, res.output
+    proj = load(out)
+    assert proj.hidden == 160 and proj.key_dim == 64 and "split: each group's pre-RoPE keys" in res.output
+    kv = 192
+    for w in proj.weights.values():  # keys read the first 64 values only, values the other 96
+        assert not w[64:-1, :kv].any() and not w[:64, kv:].any()

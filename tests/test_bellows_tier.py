@@ -335,3 +335,43 @@ def test_a_pca_latent_cut_to_fewer_dimensions(smol):
         _own(smol, 2).truncated(10)
     with pytest.raises(PaskError, match=r"dim must be an integer in \[1, 576\]"):
         proj.truncated(577)
+
+
+# -- the split pca latent (keys' own directions, then the values') --------------------------------
+def test_split_pca_n1_latent_cache_equals_full_kv(smol):
+    from pask.calibration.bellows import fit_pca
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 5000, (60,), generator=gen).tolist() for _ in range(4)]
+    proj = fit_pca(smol, prompts[:3], prompts[3:], 1, dim=384, key_dim=192)  # full rank: a rotation of K and V
+    assert proj.key_dim == 192 and all(r["held_k"] < 1e-3 and r["held_v"] < 1e-3 for r in proj.errors)
+    want, _ = _run(smol, CacheConfig(num_groups=1, recent_window=WINDOW), False)
+    tier = LatentTier.bind(proj, smol.model, 16, smol.fingerprint)
+    assert tier.wk[0].shape == (192, 192) and tier.wv[0].shape == (3, 192, 64)
+    got, _ = _run(smol, CacheConfig(num_groups=len(tier.groups), latent=tier, recent_window=WINDOW), True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_split_latent_keys_and_values_read_their_own_parts(smol):
+    from pask.calibration.bellows import fit_pca
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 5000, (40,), generator=gen).tolist() for _ in range(3)]
+    proj = fit_pca(smol, prompts[:2], prompts[2:], 2, dim=200, key_dim=80)
+    tier = LatentTier.bind(proj, smol.model, 16, smol.fingerprint)
+    z = torch.randn(5, 200, generator=gen)
+    other = z.clone()
+    other[:, 80:] = torch.randn(5, 120, generator=gen)  # another values part
+    cos, sin = tier.rope(torch.arange(5))
+    torch.testing.assert_close(tier.keys(3, other, cos, sin), tier.keys(3, z, cos, sin))
+    assert not torch.allclose(tier.values(3, other), tier.values(3, z))
+    other[:, :80] = torch.randn(5, 80, generator=gen)  # the values part of z, another keys part
+    other[:, 80:] = z[:, 80:]
+    torch.testing.assert_close(tier.values(3, other), tier.values(3, z))
+    cut = proj.truncated(150)  # values lose directions, keys keep theirs
+    assert cut.key_dim == 80 and cut.hidden == 150
+    with pytest.raises(PaskError, match="keeps its 80 keys' dimensions"):
+        proj.truncated(80)
+    for bad in (0, 300, True, 200):  # 200 or more: no values part left
+        with pytest.raises(PaskError, match="--key-dim must be an integer"):
+            fit_pca(smol, prompts[:1], [], 2, dim=200, key_dim=bad)

@@ -282,10 +282,16 @@ def fit_pca(
     n: int,
     dim: int | None = None,
     progress: Callable[[int], None] | None = None,
+    key_dim: int | None = None,
 ) -> LatentProjections:
     """The ``"pca"`` latent: each block's concatenated pre-RoPE K/V (every layer's K and V scaled to
     unit RMS about the mean) on its ``dim`` leading principal directions of the calibration
     prompts (default: the model's hidden size, so a latent takes the bytes of a hidden-state one).
+
+    ``key_dim`` splits the latent: its first ``key_dim`` values are the block's keys on the keys'
+    own leading directions, the other ``dim - key_dim`` the values on theirs (keys read only the
+    first part, values only the second), so that rebuilding keys at decode costs ``key_dim``, not
+    ``dim``, multiply-adds per key value (:attr:`~pask.kv.latent.LatentProjections.key_dim`).
 
     Encoder per block ``z = ((y - mu) / s) P``; each layer's projection back ``y_l = mu_l + s_l (P_l
     z)``, in the file's affine ``[dim + 1, 2 kv_dim]`` form. Errors on both prompt sets as for the
@@ -300,6 +306,13 @@ def fit_pca(
     dim = hidden if dim is None else dim
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         raise PaskError(f"--dim must be a positive integer, got {dim!r}")
+    part = min(len(r) for r in group_of) * kv  # the keys (and the values) of the smallest block
+    bad_key_dim = isinstance(key_dim, bool) or not isinstance(key_dim, int)
+    if key_dim is not None and (bad_key_dim or not (1 <= key_dim <= part and 1 <= dim - key_dim <= part)):
+        raise PaskError(
+            f"--key-dim must be an integer in [1, {part}] leaving between 1 and {part} of the --dim {dim} "
+            f"dimensions to the values, got {key_dim!r}"
+        )
     fit_m = collect_kv(model, fit_prompts, n, progress)
     held_m = collect_kv(model, held_prompts, n, progress) if held_prompts else None
     weights: dict[int, torch.Tensor] = {}
@@ -312,10 +325,20 @@ def fit_pca(
         var = cov.diagonal().clamp_min(1e-12)
         scale = torch.cat([var[c * kv : (c + 1) * kv].mean().sqrt().expand(kv) for c in range(2 * len(layers))])
         cn = cov / torch.outer(scale, scale)
-        evals, evecs = torch.linalg.eigh(cn)
         d = min(dim, min(2 * kv * len(r) for r in group_of))  # one latent size for every block
-        basis = evecs[:, -d:].flip(1)  # [p, d], leading direction first
-        explained.append(round(float(evals[-d:].sum() / evals.sum()), 5))
+        if key_dim is None:
+            evals, evecs = torch.linalg.eigh(cn)
+            basis = evecs[:, -d:].flip(1)  # [p, d], leading direction first
+            explained.append(round(float(evals[-d:].sum() / evals.sum()), 5))
+        else:  # keys on their own directions, then values on theirs
+            basis, layers_at = torch.zeros(cn.shape[0], d, dtype=cn.dtype), range(len(layers))
+            shares = []
+            for side, (a, b) in enumerate(((0, key_dim), (key_dim, d))):
+                idx = torch.cat([torch.arange((2 * j + side) * kv, (2 * j + side + 1) * kv) for j in layers_at])
+                evals, evecs = torch.linalg.eigh(cn[idx][:, idx])
+                basis[idx, a:b] = evecs[:, -(b - a) :].flip(1)
+                shares.append(round(float(evals[-(b - a) :].sum() / evals.sum()), 5))
+            explained.append(shares)
         enc_w = basis / scale[:, None]
         encoders[g] = torch.cat([enc_w, (-(mu / scale) @ basis)[None]], dim=0).float()
         for j, layer in enumerate(layers):
@@ -333,6 +356,8 @@ def fit_pca(
     meta = {"fit_tokens": fit_m.tokens, "held_tokens": held_m.tokens if held_m else 0,
             "fit_prompts": len(fit_prompts), "held_prompts": len(held_prompts), "dim": d,
             "explained_variance": explained}  # fmt: skip
+    if key_dim is not None:
+        meta["key_dim"] = key_dim
     return LatentProjections(lm.name, lm.fingerprint, n, 0.0, weights, errors, meta, "pca", None, encoders)
 
 
@@ -349,7 +374,13 @@ def compression(model_config, n: int, latent_bits: int = 16, quant_group: int = 
 
 def markdown(proj: LatentProjections, model_config=None) -> str:
     """The per-layer reconstruction-error table of a projections file."""
-    if proj.latent == "pca":
+    if proj.latent == "pca" and proj.key_dim is not None:
+        kd = proj.key_dim
+        shares = ", ".join(f"{k:.4f} / {v:.4f}" for k, v in proj.meta.get("explained_variance", []))
+        what = (f"split: each group's pre-RoPE keys (every layer's at unit RMS) on their {kd} leading principal "
+                f"directions, then its values on their {proj.hidden - kd} (explained variance of keys / values "
+                f"per group: {shares})")  # fmt: skip
+    elif proj.latent == "pca":
         what = (f"each group's pre-RoPE K/V (every layer's K and V at unit RMS) on its {proj.hidden} leading "
                 f"principal directions (explained variance per group: "
                 f"{', '.join(f'{x:.4f}' for x in proj.meta.get('explained_variance', []))})")  # fmt: skip

@@ -168,7 +168,7 @@ def latent_attention(
         i = layer.layer_idx
         k = lat.keys(i, z, cos, sin) if keys is None else keys
         scores = torch.matmul(qf, k.transpose(1, 2)) * scaling
-        state.update_projected(scores, z, lambda pz, mass: lat.project_values(i, pz, mass))
+        state.update_projected(scores, lat.value_part(z), lambda pz, mass: lat.project_values(i, pz, mass))
     return _output(state, q)
 
 

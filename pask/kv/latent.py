@@ -91,16 +91,26 @@ class LatentProjections:
     def kv_dim(self) -> int:
         return int(next(iter(self.weights.values())).shape[1]) // 2
 
+    @property
+    def key_dim(self) -> int | None:
+        """A split ``"pca"`` latent's keys part: keys read its first ``key_dim`` values only, values
+        the rest (``calibrate-bellows --key-dim``); None: every value feeds both."""
+        kd = self.meta.get("key_dim")
+        return None if kd is None else int(kd)
+
     def groups(self) -> list[range]:
         return groups(len(self.weights), self.n)
 
     def truncated(self, dim: int) -> LatentProjections:
         """A ``"pca"`` latent cut to its ``dim`` leading principal directions (the basis is stored
-        leading direction first, so this is the ``dim``-dimensional PCA latent of the same fit)."""
+        leading direction first, so this is the ``dim``-dimensional PCA latent of the same fit; a
+        split latent (:attr:`key_dim`) loses values' directions only)."""
         if self.latent != "pca":
             raise PaskError(f"only a pca latent can be cut to fewer dimensions, not a {self.latent!r} one")
         if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= self.hidden:
             raise PaskError(f"dim must be an integer in [1, {self.hidden}] (the file's latent size), got {dim!r}")
+        if self.key_dim is not None and dim <= self.key_dim:
+            raise PaskError(f"a split latent keeps its {self.key_dim} keys' dimensions: dim must be more, got {dim}")
         if dim == self.hidden:
             return self
         weights = {i: torch.cat([w[:dim], w[-1:]]) for i, w in self.weights.items()}
@@ -252,6 +262,7 @@ class LatentTier:
     bv: dict[int, torch.Tensor]  # layer -> [Hkv, D]
     rotary: torch.nn.Module
     encoders: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # pca: block -> (W, b)
+    key_dim: int | None = None  # a split latent: keys read z[:, :key_dim], values z[:, key_dim:]
 
     @property
     def captures(self) -> bool:
@@ -284,11 +295,13 @@ class LatentTier:
         grp = proj.groups()
         sources = [source(r, proj.latent) for r in grp]
         kv = kv_heads * head_dim
+        kd = proj.key_dim
+        ks, vs = (slice(0, -1), slice(0, -1)) if kd is None else (slice(0, kd), slice(kd, -1))
         wk, bk, wv, bv = {}, {}, {}, {}
         for i, w in proj.weights.items():
             w = w.to(dtype)
-            wk[i], bk[i] = w[:-1, :kv].contiguous(), w[-1, :kv].contiguous()
-            wv[i] = w[:-1, kv:].reshape(-1, kv_heads, head_dim).permute(1, 0, 2).contiguous()
+            wk[i], bk[i] = w[ks, :kv].contiguous(), w[-1, :kv].contiguous()
+            wv[i] = w[vs, kv:].reshape(-1, kv_heads, head_dim).permute(1, 0, 2).contiguous()
             bv[i] = w[-1, kv:].reshape(kv_heads, head_dim).contiguous()
         inner = getattr(model, "model", model)
         rotary = getattr(inner, "rotary_emb", None)
@@ -300,7 +313,7 @@ class LatentTier:
         else:
             capture(model, sources)
         return cls(proj, bits, grp, sources, proj.hidden, kv_heads, head_dim, dtype, quant_group,
-                   wk, bk, wv, bv, rotary, encoders)  # fmt: skip
+                   wk, bk, wv, bv, rotary, encoders, kd)  # fmt: skip
 
     def __deepcopy__(self, memo) -> LatentTier:
         """Shared, not copied: bound, read-only state (a copied cache keeps the same tier, so its
@@ -364,11 +377,19 @@ class LatentTier:
         w, b = self.encoders[group]
         return torch.cat(parts, dim=1) @ w + b
 
+    def key_part(self, z: torch.Tensor) -> torch.Tensor:
+        """The values of latents ``z [m, hidden]`` that keys are rebuilt from (all but a split latent's values part)."""
+        return z if self.key_dim is None else z[:, : self.key_dim]
+
+    def value_part(self, z: torch.Tensor) -> torch.Tensor:
+        """The values of latents ``z [m, hidden]`` that values are rebuilt from (a split latent's second part)."""
+        return z if self.key_dim is None else z[:, self.key_dim :]
+
     def keys(self, layer: int, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys ``[Hkv, m, D]`` (fp32) of ``layer`` from latents ``z [m, hidden]`` with their
         RoPE ``cos, sin [m, D]`` (:meth:`rope`)."""
         w = self.wk[layer]
-        k = (torch.matmul(z.to(w.dtype), w) + self.bk[layer]).float()
+        k = (torch.matmul(self.key_part(z).to(w.dtype), w) + self.bk[layer]).float()
         k = k.view(-1, self.kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, m, D] pre-RoPE
         half = self.head_dim // 2
         rot = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
@@ -378,11 +399,12 @@ class LatentTier:
         """Values ``[Hkv, m, D]`` of ``layer`` from latents ``z [m, hidden]`` (what attention folds in
         through :meth:`project_values` instead)."""
         w = self.wv[layer]
-        return (torch.matmul(z.to(w.dtype)[None], w) + self.bv[layer][:, None]).float()
+        return (torch.matmul(self.value_part(z).to(w.dtype)[None], w) + self.bv[layer][:, None]).float()
 
     def project_values(self, layer: int, pz: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-        """``sum_t p_t v_t`` per row from ``pz = sum_t p_t z_t [Hkv, rows, hidden]`` and ``mass = sum_t
-        p_t [Hkv, rows]``: the values' projection applied once to the weighted latent, not per token."""
+        """``sum_t p_t v_t`` per row from ``pz = sum_t p_t z_t [Hkv, rows, hidden]`` (over the
+        :meth:`value_part` of the latents) and ``mass = sum_t p_t [Hkv, rows]``: the values' projection
+        applied once to the weighted latent, not per token."""
         w = self.wv[layer]
         return torch.matmul(pz.to(w.dtype), w).float() + mass[..., None] * self.bv[layer][:, None].float()
 
