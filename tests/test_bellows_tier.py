@@ -230,16 +230,27 @@ def test_policy_copies_share_the_projections(smol):
     assert q.projections is p.projections and q.latent.projections is p.projections
 
 
-def test_the_batched_layer_equals_each_row_alone(smol):
-    """latent_layer rebuilds every row's keys in one product: the same as each row on its own."""
+@pytest.mark.parametrize("native", [True, False])
+def test_the_batched_layer_equals_each_row_alone(smol, native, monkeypatch):
+    """latent_layer rebuilds every row's keys in one product (scored by the native kernel, or in
+    PyTorch): the same as each row on its own (PyTorch)."""
     import copy
 
+    from pask.kv import native_latent
     from pask.kv.attention import latent_layer
+
+    calls = []
+    kernel = native_latent.scores
+    monkeypatch.setattr(native_latent, "scores", lambda *a: calls.append(1) or kernel(*a))
+    if not native:
+        monkeypatch.setenv("PASK_NATIVE", "0")
+        monkeypatch.setattr(native_latent._PROBE, "state", None)
 
     cfg = _latent_config(smol, 2)
     _, one = _run(smol, cfg, True, steps=1)
     _, two = _run(smol, cfg, True, steps=3)  # a longer row
     batch = TieredCache(smol.model.config, one.config, 0)
+    calls.clear()
     with torch.inference_mode():
         batch.adopt(copy.deepcopy(one), 0)
         batch.adopt(two, 0)
@@ -248,6 +259,7 @@ def test_the_batched_layer_equals_each_row_alone(smol):
             got = latent_layer(batch.layers[i], q, 0.125)
             for b in range(2):
                 torch.testing.assert_close(got[b], latent_attention(batch.layers[i], b, q[b], 0.125))
+    assert len(calls) == (3 if native else 0)
 
 
 # -- the pca latent -------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from pask.kv import native_attention, stats
+from pask.kv import native_attention, native_latent, stats
 from pask.kv.actions import Action
 from pask.kv.cache import CacheConfig, TieredCache, TieredLayer, active_layer, attention_config, attention_spec
 from pask.kv.errors import UnsupportedModelError
@@ -149,14 +149,21 @@ def _h_stream(state: OnlineSoftmax, qf: torch.Tensor, store: _SeqStore, scaling:
 
 
 def latent_attention(
-    layer: TieredLayer, seq: int, q: torch.Tensor, scaling: float, n_new: int = 1, keys: torch.Tensor | None = None
+    layer: TieredLayer,
+    seq: int,
+    q: torch.Tensor,
+    scaling: float,
+    n_new: int = 1,
+    keys: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's decode/extend attention on a latent cache (:mod:`pask.kv.latent`) -> ``[qn, Hq, D]``.
 
     The layer's H tier as in the reference; then the block's latent tokens, decoded once per
     forward for all the block's layers and rows (:meth:`~pask.kv.cache.TieredCache.latent_rows`):
     keys reconstructed through the layer's projection and rotated at their positions (``keys``:
-    the row's slice of :func:`latent_keys`, computed here when not given), values folded in
+    the row's slice of :func:`latent_layer`'s keys, computed here when not given; or their
+    ``scores [Hkv, rows, m]``, scaled, from :mod:`pask.kv.native_latent`), values folded in
     through :meth:`OnlineSoftmax.update_projected` (the weighted latent sum is projected once,
     instead of every token's values).
     """
@@ -166,25 +173,44 @@ def latent_attention(
     z, cos, sin = cache.latent_block(seq, layer.group)
     if z.shape[0]:
         i = layer.layer_idx
-        k = lat.keys(i, z, cos, sin) if keys is None else keys
-        scores = torch.matmul(qf, k.transpose(1, 2)) * scaling
+        if scores is None:
+            k = lat.keys(i, z, cos, sin) if keys is None else keys
+            scores = torch.matmul(qf, k.transpose(1, 2)) * scaling
         state.update_projected(scores, lat.value_part(z), lambda pz, mass: lat.project_values(i, pz, mass))
     return _output(state, q)
 
 
 def latent_layer(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """A latent cache's decode/extend attention of one layer for the batch ``query [B, Hq, qn, D]`` ->
-    ``[B, qn, Hq, D]``: the keys of every row's latent tokens rebuilt in one product, then each row."""
+    ``[B, qn, Hq, D]``: the keys of every row's latent tokens rebuilt in one product (and scored by
+    :mod:`pask.kv.native_latent` where it applies), then each row."""
     cache = layer.cache
+    lat = cache.config.latent
     bsz, hq, qn, d = query.shape
     out = query.new_zeros(bsz, qn, hq, d)
     z, cos, sin, spans = cache.latent_rows(layer.group)
-    keys = cache.config.latent.keys(layer.layer_idx, z, cos, sin) if z.shape[0] else None
+    keys = scores = None
+    if z.shape[0]:
+        i = layer.layer_idx
+        pre = lat.keys_pre(i, z)
+        hkv = lat.kv_heads
+        q_all = query.reshape(bsz, hkv, hq // hkv * qn, d)  # row r = j * qn + t, as _with_h_stream
+        if cache.config.native and lat.rope_halves and native_latent.applies(pre, q_all):
+            starts, at = [0], 0
+            for b in range(bsz):
+                at = spans[b][1] if b in spans else at
+                starts.append(at)
+            scores = native_latent.scores(pre, lat.bk[i], cos, sin, starts, q_all, scaling)
+        else:
+            keys = lat.rope_keys(i, pre, cos, sin)
     for b in range(bsz):
         if layer.seqs[b] is None:
             continue
         a, e = spans.get(b, (0, 0))
-        out[b] = latent_attention(layer, b, query[b], scaling, qn, None if keys is None else keys[:, a:e])
+        out[b] = latent_attention(
+            layer, b, query[b], scaling, qn,
+            None if keys is None else keys[:, a:e], None if scores is None else scores[:, :, a:e],
+        )  # fmt: skip
     return out
 
 

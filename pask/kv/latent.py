@@ -263,6 +263,7 @@ class LatentTier:
     rotary: torch.nn.Module
     encoders: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # pca: block -> (W, b)
     key_dim: int | None = None  # a split latent: keys read z[:, :key_dim], values z[:, key_dim:]
+    rope_halves: bool = True  # the model's RoPE table repeats one angle per half (what native_latent reads)
 
     @property
     def captures(self) -> bool:
@@ -312,8 +313,12 @@ class LatentTier:
             encoders = {g: (e[:-1].float().contiguous(), e[-1].float().contiguous()) for g, e in proj.encoders.items()}
         else:
             capture(model, sources)
-        return cls(proj, bits, grp, sources, proj.hidden, kv_heads, head_dim, dtype, quant_group,
+        tier = cls(proj, bits, grp, sources, proj.hidden, kv_heads, head_dim, dtype, quant_group,
                    wk, bk, wv, bv, rotary, encoders, kd)  # fmt: skip
+        cos, sin = tier.rope(torch.tensor([0, 1, 7, 100, 4099]))
+        half = head_dim // 2
+        tier.rope_halves = bool(torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]))
+        return tier
 
     def __deepcopy__(self, memo) -> LatentTier:
         """Shared, not copied: bound, read-only state (a copied cache keeps the same tier, so its
@@ -385,11 +390,20 @@ class LatentTier:
         """The values of latents ``z [m, hidden]`` that values are rebuilt from (a split latent's second part)."""
         return z if self.key_dim is None else z[:, self.key_dim :]
 
+    def keys_pre(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        """The key GEMM alone: ``layer``'s pre-RoPE keys without their bias ``[m, Hkv*D]`` (model dtype)
+        from latents ``z [m, hidden]`` (what :mod:`pask.kv.native_latent` scores in one pass)."""
+        w = self.wk[layer]
+        return torch.matmul(self.key_part(z).to(w.dtype).contiguous(), w)
+
     def keys(self, layer: int, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys ``[Hkv, m, D]`` (fp32) of ``layer`` from latents ``z [m, hidden]`` with their
         RoPE ``cos, sin [m, D]`` (:meth:`rope`)."""
-        w = self.wk[layer]
-        k = (torch.matmul(self.key_part(z).to(w.dtype), w) + self.bk[layer]).float()
+        return self.rope_keys(layer, self.keys_pre(layer, z), cos, sin)
+
+    def rope_keys(self, layer: int, pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`keys` from the key GEMM's output ``pre`` (:meth:`keys_pre`): bias, then RoPE."""
+        k = (pre + self.bk[layer]).float()
         k = k.view(-1, self.kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, m, D] pre-RoPE
         half = self.head_dim // 2
         rot = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
