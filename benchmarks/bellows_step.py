@@ -1,21 +1,22 @@
 """BellowsKV's decode step against Full KV, KIVI-4 and kivi-mix at one context length, whole model, batch b.
 
-    .venv/bin/python benchmarks/bellows_step.py --projections P.safetensors [--bits 4] [--context 8192]
-        [--batch 8] [--steps 6] [--threads 2] [--out benchmarks/results/bellows/step-8k-b8]
+    .venv/bin/python benchmarks/bellows_step.py --projections P.safetensors [--projections Q ...] [--bits 4]
+        [--context 8192] [--batch 8] [--steps 6] [--threads 2] [--out benchmarks/results/bellows/step-8k-b8]
 
 One real prompt of ``--context`` tokens (essay text from the RULER haystack, tokenised; random ids
 where the text runs short) is prefilled once per configuration through the model into a cache of
 one row, the configuration's actions are applied (Full KV: none; KIVI-4: every token outside the
 recent window to INT4; kivi-mix: INT2 in the deepest layer groups, INT4 in the rest, at
-``--mix-budget``, the per-layer-width KIVI a user can set at BellowsKV's B; BellowsKV: every such
-token to its blocks' latents), and the row is copied
+``--mix-budget``, the per-layer-width KIVI a user can set at BellowsKV's B; BellowsKV, once per
+``--projections`` file: every such token to its blocks' latents), and the row is copied
 ``--batch`` times into one decoding cache. Then ``--steps`` whole-model decode steps of the batch
 (one token per row, the same token for every configuration; no actions between steps) are timed,
 configurations interleaved step by step (same machine conditions), medians. Held bytes come from
 the tier tensors.
 
 Reconstruction arithmetic reported beside the times: each step, every layer rebuilds the keys of
-the held latent tokens (``tokens x hidden x Hkv*D`` multiply-adds) and folds the values through
+the held latent tokens (``tokens x key dims x Hkv*D`` multiply-adds, key dims the latent's size or
+a split latent's keys part) and folds the values through
 the weighted latent sum (``rows x tokens x hidden`` for the sum, then one projection), so its cost
 grows with ``context x batch x layers`` like attention's, but ``hidden x Hkv / (2 Hq)`` times
 heavier per token than attention over stored keys (64 times for qwen2.5-coder-0.5b).
@@ -71,7 +72,7 @@ def _batch(lm, ids: list[int], config: CacheConfig, to, batch: int) -> TieredCac
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--projections", required=True, type=Path)
+    ap.add_argument("--projections", required=True, type=Path, action="append", help="repeatable: one config each")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--context", type=int, default=8192)
@@ -89,16 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model)
     model = lm.model
     enable_pask_attention(model)
-    proj = load(args.projections, lm.fingerprint)
-    tier = LatentTier.bind(proj, model, args.bits, lm.fingerprint)
     ids = _prompt(lm.tokenizer, args.context)
     mix = [Action.L if w == 4 else Action.L2 for w in KIVIMixPolicy(budget=args.mix_budget).widths(4)]
     configs = {
         "full": (CacheConfig(), None),
         "kivi-4": (CacheConfig(), Action.L),
         f"kivi-mix B={args.mix_budget:g}": (CacheConfig(l2_key_bits=2), mix),
-        f"bellows n={proj.n} {args.bits}-bit": (CacheConfig(num_groups=len(tier.groups), latent=tier), Action.L),
     }
+    latents, key_macs = [], {}
+    for path in args.projections:
+        proj = load(path, lm.fingerprint)
+        tier = LatentTier.bind(proj, model, args.bits, lm.fingerprint)
+        kd = proj.key_dim or proj.hidden
+        name = f"bellows {proj.latent} {proj.hidden}" + (f" (keys {kd})" if proj.key_dim else "") + f" {args.bits}-bit"
+        configs[name] = (CacheConfig(num_groups=len(tier.groups), latent=tier), Action.L)
+        latents.append({"config": name, "projections": str(path), "n": proj.n, "latent": proj.latent,
+                        "dim": proj.hidden, "key_dim": kd})  # fmt: skip
+        key_macs[name] = kd
     caches = {}
     for name, (cfg, to) in configs.items():
         t0 = time.perf_counter()
@@ -123,25 +131,32 @@ def main(argv: list[str] | None = None) -> int:
                      "held_mb": round(sum(held) / 1e6, 1), "b": round(sum(held) / sum(full), 4)})  # fmt: skip
     cfg = model.config
     kv = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    macs = args.context * args.batch * cfg.num_hidden_layers * cfg.hidden_size * kv
+    per_key_dim = args.context * args.batch * cfg.num_hidden_layers * kv
+    for r in rows:
+        kd = key_macs.get(r["config"])
+        r["key_reconstruction_gmac"] = None if kd is None else round(per_key_dim * kd / 1e9, 1)
     head_dim = kv // cfg.num_key_value_heads
     attn_macs = 2 * args.context * args.batch * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
     data = {"model": lm.name, "context": args.context, "batch": args.batch, "steps": args.steps,
-            "threads": args.threads, "projections": str(args.projections), "n": proj.n, "bits": args.bits,
-            "latent": proj.latent, "rows": rows, "key_reconstruction_gmac_per_step": round(macs / 1e9, 1)}  # fmt: skip
+            "threads": args.threads, "bits": args.bits, "latents": latents, "rows": rows,
+            "attention_gmac_per_step": round(attn_macs / 1e9, 2)}  # fmt: skip
     lines = [
         f"# BellowsKV decode step: {lm.name}, context {args.context}, batch {args.batch}, {args.threads} threads",
         "",
         f"Whole-model decode step, median of {args.steps} (configurations interleaved step by step); "
-        f"latent: n = {proj.n}, {proj.latent} layer, {args.bits}-bit.",
+        "latents: " + ", ".join(f"{x['config']} (n = {x['n']}, {x['projections']})" for x in latents) + ".",
         "",
-        "| configuration | step (ms) | vs Full KV | held KV (MB) | B |",
-        "|---|---:|---:|---:|---:|",
-        *(f"| {r['config']} | {r['step_ms']} | {r['vs_full']:.2f}x | {r['held_mb']} | {r['b']:.3f} |" for r in rows),
+        "| configuration | step (ms) | vs Full KV | held KV (MB) | B | key rebuild (G MAC / step) |",
+        "|---|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['config']} | {r['step_ms']} | {r['vs_full']:.2f}x | {r['held_mb']} | {r['b']:.3f} | "
+            f"{'' if r['key_reconstruction_gmac'] is None else r['key_reconstruction_gmac']} |"
+            for r in rows
+        ),
         "",
-        f"Key reconstruction alone: {data['key_reconstruction_gmac_per_step']} G multiply-adds per step "
-        f"(context x batch x layers x hidden x Hkv*D), against about {attn_macs / 1e9:.2f} G "
-        "for attention's scores and values over stored keys (query heads x 2 x head_dim per token).",
+        "Key reconstruction: context x batch x layers x key dims x Hkv*D multiply-adds per step (key dims: the "
+        f"latent's size, or a split latent's keys part), against about {attn_macs / 1e9:.2f} G for attention's "
+        "scores and values over stored keys (query heads x 2 x head_dim per token).",
     ]
     command = "python benchmarks/bellows_step.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     js, md = write_result(args.out, data, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
