@@ -192,7 +192,7 @@ def latent_layer(layer: TieredLayer, query: torch.Tensor, scaling: float) -> tor
     keys = scores = None
     if z.shape[0]:
         i = layer.layer_idx
-        pre = lat.keys_pre(i, z)
+        pre = lat.keys_pre(i, cache.latent_key_rows(layer.group))
         hkv = lat.kv_heads
         q_all = query.reshape(bsz, hkv, hq // hkv * qn, d)  # row r = j * qn + t, as _with_h_stream
         if cache.config.native and lat.rope_halves and native_latent.applies(pre, q_all):

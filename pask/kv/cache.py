@@ -266,7 +266,7 @@ class TieredCache(Cache):
         self._indices = [[_GroupIndex() for _ in self.groups] for _ in range(batch_size)]
         self._finished = _Finished()
         self.meter = BudgetMeter()
-        self._scratch: dict[int, tuple] = {}  # a latent cache's decoded block (latent_rows)
+        self._scratch: dict = {}  # a latent cache's decoded block (latent_rows, latent_key_rows)
         super().__init__(layers=[TieredLayer(self, i, self.group_of[i]) for i in range(self.spec.num_layers)])
 
     @property
@@ -366,6 +366,18 @@ class TieredCache(Cache):
                 empty = torch.empty(0, lat.hidden, dtype=lat.dtype)
                 hit = (empty, torch.empty(0, lat.head_dim), torch.empty(0, lat.head_dim), spans)
             self._scratch[group] = hit
+        return hit
+
+    def latent_key_rows(self, group: int) -> torch.Tensor:
+        """The part of :meth:`latent_rows`' latents that keys are rebuilt from, contiguous: a split
+        latent's first ``key_dim`` values (copied once for the block's layers), else the latents."""
+        lat = self.config.latent
+        z = self.latent_rows(group)[0]
+        if lat.key_dim is None:
+            return z
+        hit = self._scratch.get(("keys", group))
+        if hit is None:
+            hit = self._scratch[("keys", group)] = lat.key_part(z).contiguous()
         return hit
 
     # -- actions ------------------------------------------------------------------------------

@@ -390,16 +390,16 @@ class LatentTier:
         """The values of latents ``z [m, hidden]`` that values are rebuilt from (a split latent's second part)."""
         return z if self.key_dim is None else z[:, self.key_dim :]
 
-    def keys_pre(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+    def keys_pre(self, layer: int, zk: torch.Tensor) -> torch.Tensor:
         """The key GEMM alone: ``layer``'s pre-RoPE keys without their bias ``[m, Hkv*D]`` (model dtype)
-        from latents ``z [m, hidden]`` (what :mod:`pask.kv.native_latent` scores in one pass)."""
+        from the :meth:`key_part` ``zk`` of latents (what :mod:`pask.kv.native_latent` scores in one pass)."""
         w = self.wk[layer]
-        return torch.matmul(self.key_part(z).to(w.dtype).contiguous(), w)
+        return torch.matmul(zk.to(w.dtype), w)
 
     def keys(self, layer: int, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys ``[Hkv, m, D]`` (fp32) of ``layer`` from latents ``z [m, hidden]`` with their
         RoPE ``cos, sin [m, D]`` (:meth:`rope`)."""
-        return self.rope_keys(layer, self.keys_pre(layer, z), cos, sin)
+        return self.rope_keys(layer, self.keys_pre(layer, self.key_part(z)), cos, sin)
 
     def rope_keys(self, layer: int, pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """:meth:`keys` from the key GEMM's output ``pre`` (:meth:`keys_pre`): bias, then RoPE."""
