@@ -104,6 +104,17 @@ class Probe:
         return False
 
 
+def try_load(loader: Callable[[], object]) -> tuple[object | None, str | None]:
+    """A probe's first step: ``(library, None)`` from ``loader``, or ``(None, why)`` when
+    ``PASK_NATIVE=0`` or the library cannot be built or loaded."""
+    if disabled():
+        return None, "disabled by PASK_NATIVE=0"
+    try:
+        return loader(), None
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"unavailable: {e}"
+
+
 def compiler() -> str | None:
     """The C++ compiler to use, or None."""
     return shutil.which(os.environ.get("CXX", "g++"))

@@ -20,7 +20,6 @@ rows and up to 8 input rows at a time.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import torch
@@ -37,12 +36,9 @@ _LIB: ctypes.CDLL | None = None
 
 def _probe() -> str:
     global _LIB
-    if native.disabled():
-        return "disabled by PASK_NATIVE=0"
-    try:
-        lib = ctypes.CDLL(str(native.build(SOURCE, FLAGS)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return f"unavailable: {e}"
+    lib, why = native.try_load(lambda: ctypes.CDLL(str(native.build(SOURCE, FLAGS))))
+    if why:
+        return why
     f = lib.pask_linear_bf16
     f.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     f.restype = ctypes.c_int

@@ -25,7 +25,6 @@ and return False instead (the previous paths run; :func:`pask.cpu.native.unavail
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,12 +76,9 @@ def _probe() -> str:
     The comparison is :func:`pask.kv.attention.native_agreement` (it builds tiered caches, which
     live above this module), registered through :func:`set_reference_check`."""
     global _LIB
-    if native.disabled():
-        return "disabled by PASK_NATIVE=0"
-    try:
-        _LIB = _load()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return f"unavailable: {e}"
+    _LIB, why = native.try_load(_load)
+    if why:
+        return why
     if _REFERENCE_CHECK is None:
         _LIB = None
         return "unavailable: no reference check registered (import pask.kv first)"

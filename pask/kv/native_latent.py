@@ -17,7 +17,6 @@ first use, probed once against :func:`reference` on random inputs; ``PASK_NATIVE
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -70,12 +69,9 @@ def reference(
 def _probe() -> str:
     """Build, load and compare with :func:`reference` on random inputs (bf16 and fp32 keys)."""
     global _LIB
-    if native.disabled():
-        return "disabled by PASK_NATIVE=0"
-    try:
-        _LIB = _load()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return f"unavailable: {e}"
+    _LIB, why = native.try_load(_load)
+    if why:
+        return why
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     for dtype in (torch.bfloat16, torch.float32):
