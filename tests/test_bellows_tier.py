@@ -245,6 +245,7 @@ def test_the_batched_layer_equals_each_row_alone(smol, native, monkeypatch):
     if not native:
         monkeypatch.setenv("PASK_NATIVE", "0")
         monkeypatch.setattr(native_latent._PROBE, "state", None)
+        monkeypatch.setattr(native_latent, "_LIB", None)
 
     cfg = _latent_config(smol, 2)
     _, one = _run(smol, cfg, True, steps=1)

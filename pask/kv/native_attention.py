@@ -76,9 +76,10 @@ def _probe() -> str:
     The comparison is :func:`pask.kv.attention.native_agreement` (it builds tiered caches, which
     live above this module), registered through :func:`set_reference_check`."""
     global _LIB
-    _LIB, why = native.try_load(_load)
+    lib, why = native.try_load(_load)
     if why:
         return why
+    _LIB = lib
     if _REFERENCE_CHECK is None:
         _LIB = None
         return "unavailable: no reference check registered (import pask.kv first)"

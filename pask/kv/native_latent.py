@@ -69,9 +69,10 @@ def reference(
 def _probe() -> str:
     """Build, load and compare with :func:`reference` on random inputs (bf16 and fp32 keys)."""
     global _LIB
-    _LIB, why = native.try_load(_load)
+    lib, why = native.try_load(_load)
     if why:
         return why
+    _LIB = lib
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     for dtype in (torch.bfloat16, torch.float32):
