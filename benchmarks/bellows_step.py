@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "kivi-4": (CacheConfig(), Action.L),
         f"kivi-mix B={args.mix_budget:g}": (CacheConfig(l2_key_bits=2), mix),
     }
-    latents, key_macs = [], {}
+    latents = []
     for path in args.projections:
         proj = load(path, lm.fingerprint)
         tier = LatentTier.bind(proj, model, args.bits, lm.fingerprint)
@@ -106,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         configs[name] = (CacheConfig(num_groups=len(tier.groups), latent=tier), Action.L)
         latents.append({"config": name, "projections": str(path), "n": proj.n, "latent": proj.latent,
                         "dim": proj.hidden, "key_dim": kd})  # fmt: skip
-        key_macs[name] = kd
     caches = {}
     for name, (cfg, to) in configs.items():
         t0 = time.perf_counter()
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     kv = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     per_key_dim = args.context * args.batch * cfg.num_hidden_layers * kv
     for r in rows:
-        kd = key_macs.get(r["config"])
+        kd = next((x["key_dim"] for x in latents if x["config"] == r["config"]), None)
         r["key_reconstruction_gmac"] = None if kd is None else round(per_key_dim * kd / 1e9, 1)
     head_dim = kv // cfg.num_key_value_heads
     attn_macs = 2 * args.context * args.batch * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim

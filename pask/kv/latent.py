@@ -55,6 +55,13 @@ def source(layers: range, latent: str = "first") -> int:
     return layers.start + (len(layers) - 1) // 2 if latent == "middle" else layers.start
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's half rotation ``[-x2, x1]`` of the last dimension (the HF layout): ``x cos + rotate_half(x)
+    sin`` rotates by each position's angle, ``x cos - rotate_half(x) sin`` back."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
 def groups(num_layers: int, n: int) -> list[range]:
     """The layer groups of size ``n`` (the last one shorter if ``n`` does not divide ``num_layers``)."""
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= num_layers:
@@ -372,12 +379,10 @@ class LatentTier:
         D]`` (block order) at ``positions``: keys rotated back to pre-RoPE, the block's K/V
         concatenated as the fit saw them, then the encoder (centre, scale, principal directions)."""
         cos, sin = self.rope(positions)
-        half = self.head_dim // 2
         parts = []
         for k, v in kv:
             k = k.float()
-            rot = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-            pre = k * cos - rot * sin  # the inverse rotation
+            pre = k * cos - rotate_half(k) * sin  # the inverse rotation
             parts += [pre.transpose(0, 1).flatten(1), v.float().transpose(0, 1).flatten(1)]  # [m, Hkv D] each
         w, b = self.encoders[group]
         return torch.cat(parts, dim=1) @ w + b
@@ -405,9 +410,7 @@ class LatentTier:
         """:meth:`keys` from the key GEMM's output ``pre`` (:meth:`keys_pre`): bias, then RoPE."""
         k = (pre + self.bk[layer]).float()
         k = k.view(-1, self.kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, m, D] pre-RoPE
-        half = self.head_dim // 2
-        rot = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-        return k * cos + rot * sin
+        return k * cos + rotate_half(k) * sin
 
     def values(self, layer: int, z: torch.Tensor) -> torch.Tensor:
         """Values ``[Hkv, m, D]`` of ``layer`` from latents ``z [m, hidden]`` (what attention folds in

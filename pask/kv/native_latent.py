@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pask.cpu import native
+from pask.kv.latent import rotate_half
 
 SOURCE = Path(__file__).parents[1] / "cpu" / "native_latent.cpp"
 FLAGS = [*native.COMMON_FLAGS, "-mprefer-vector-width=512", "-ffp-contract=off"]
@@ -56,9 +57,7 @@ def reference(
     ``q [nseq, Hkv, rows, D]`` (fp32) -> scores ``[Hkv, rows, m]`` (fp32)."""
     nseq, hkv, rows, d = q.shape
     k = (keys.float() + bias.float()).view(-1, hkv, d).transpose(0, 1)  # [Hkv, m, D]
-    half = d // 2
-    rot = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    k = k * cos.float() + rot * sin.float()
+    k = k * cos.float() + rotate_half(k) * sin.float()
     out = torch.zeros(hkv, rows, keys.shape[0])
     for b in range(nseq):
         a, e = starts[b], starts[b + 1]
