@@ -2,7 +2,7 @@
 // rebuilt pre-RoPE key (the output of one GEMM, bias not yet added) gets the bias, is rotated at the
 // token's position and scored against the query rows of its sequence, in one pass over the keys.
 // It replaces four full-size fp32 temporaries per layer in the PyTorch path (bias, float, rotate,
-// rotate-and-add), which cost twice the key GEMM itself.
+// rotate-and-add), which cost more than the key GEMM itself (benchmarks/bellows_layer.py).
 //
 // Layouts (row-major, contiguous):
 //   keys   [m, hkv * d]  bf16 (keys_bf16 = 1) or fp32  pre-RoPE keys without their bias

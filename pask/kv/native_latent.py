@@ -3,8 +3,8 @@
 A latent cache (:mod:`pask.kv.latent`) rebuilds each layer's keys of its latent tokens at every
 decode step: one GEMM (latents x the layer's key projection, all rows of the batch at once), then
 the bias, the rotation at each token's position and the scores against the query rows. In PyTorch
-the last three are four full-size fp32 temporaries per layer, twice the GEMM's time at 8k tokens x
-batch 8 (``benchmarks/bellows_step.py``). ``native_latent.cpp`` does them in one pass over the
+the last three are four full-size fp32 temporaries per layer, more than the GEMM's time at 8k
+tokens x batch 8 (``benchmarks/bellows_layer.py``). ``native_latent.cpp`` does them in one pass over the
 GEMM's output, 16 tokens at a time (sequences in parallel over OpenMP threads), and writes the
 scores ``[Hkv, rows, m]`` that :func:`pask.kv.attention.latent_attention` takes.
 
