@@ -20,6 +20,7 @@ from pask.experiments.report import (
     csv_text,
     dodge,
     markdown,
+    method_key,
     plot_accuracy_vs_budget,
     plot_category_bars,
     plot_sensitivity_vs_distortion,
@@ -399,3 +400,27 @@ def test_kvfetch_table_pairs_each_fetch_cell_with_its_inner_policy(tmp_path):
         "| +7.50 |" in row and "5 : 0, p = 0.062" in row and "10 / 40" in row and "| 0.5 |" in row and "| 8.0 |" in row
     )
     assert "12.5 %" in row  # 50 of 400 steps had the pointer set
+
+
+def test_a_policy_variant_is_its_own_method_paired_with_the_inner_policy(tmp_path):
+    """A sweep variant (``cell.json``: policy + variant) is a method of its own, "<Method> [<variant>]",
+    and a KVFetch variant is paired with its inner policy like the plain wrapper."""
+    root = tmp_path / "results"
+    make_cell(root, "bfcl", "full", None, 1.0, [8, 7, 4, 3])
+    make_cell(root, "bfcl", "snapkv", 0.33, 0.33, [5, 5, 1, 1], outcomes=[False] * 30 + [True] * 10)
+    make_cell(root, "bfcl", "fetch-snapkv", 0.33, 0.33, [5, 5, 1, 1], outcomes=[False] * 30 + [True] * 10)
+    cell = make_cell(
+        root, "bfcl", "fetch-snapkv~grammar", 0.33, 0.33, [6, 6, 2, 1], outcomes=[True] * 5 + [False] * 25 + [True] * 10
+    )
+    man = json.loads((cell / "cell.json").read_text())
+    man["cell"] |= {"policy": "fetch-snapkv", "variant": "grammar"}
+    (cell / "cell.json").write_text(json.dumps(man))
+    cells = {c.policy: c for c in collect(root)}
+    assert cells["fetch-snapkv~grammar"].method == "SnapKV + KVFetch [grammar]"
+    assert cells["fetch-snapkv"].method == "SnapKV + KVFetch"
+    md = markdown(list(cells.values()))
+    rows = table(md, "KVFetch: each eviction policy")
+    var = next(x for x in rows if "SnapKV + KVFetch [grammar]" in x)
+    assert "| +7.50 |" in var and "5 : 0, p = 0.062" in var  # paired with SnapKV, not with fetch-snapkv
+    order = [c.policy for c in sorted(cells.values(), key=lambda c: method_key(c.policy))]
+    assert order.index("fetch-snapkv~grammar") == order.index("fetch-snapkv") + 1

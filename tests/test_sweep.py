@@ -608,3 +608,49 @@ def test_policy_config_per_budget_overrides_the_policy_s(tmp_path, fake, monkeyp
     )
     got = {c.budget: c.policy_config for c in cfg.cells}
     assert got == {0.5: {"recent": 16, "sink": 2}, 0.25: {"recent": 8, "sink": 2}}
+
+
+def test_a_policy_variant_is_a_cell_of_its_own(tmp_path, fake):
+    """``<policy>~<variant>``: the policy's options with the variant's on top, its own directory,
+    manifest and hash; the plain cell's hash stays what it was without the variant."""
+    from pask.experiments.sweep import make_cell_policy
+
+    pc = {"fetch-snapkv": {"slots": 8}, "fetch-snapkv~grammar": {"trigger": "grammar"}}
+    data = fake_config(tmp_path, policies=["fetch-snapkv", "fetch-snapkv~grammar"], budgets=[0.2])
+    data["fake"] = {"n": 2, "policy_config": pc}
+    cfg = parse_config(data, tmp_path)
+    plain, var = cfg.cells
+    assert (plain.name, var.name) == (
+        "smollm2-135m/fake/test/fetch-snapkv-b0.2",
+        "smollm2-135m/fake/test/fetch-snapkv~grammar-b0.2",
+    )
+    assert var.policy == "fetch-snapkv" and var.variant == "grammar" and var.method == "fetch-snapkv~grammar"
+    assert var.policy_config == {"slots": 8, "trigger": "grammar"} and plain.policy_config == {"slots": 8}
+    assert make_cell_policy(var, None).trigger == "grammar" and make_cell_policy(plain, None).trigger == "match"
+    alone = parse_config({**data, "policies": ["fetch-snapkv"]}, tmp_path).cells[0]
+    assert alone.config_hash() == plain.config_hash() and "variant" not in plain.spec()
+    assert var.config_hash() != plain.config_hash()
+    assert [c.name for c in sweep.select_cells(cfg, ["policy=fetch-snapkv~grammar"]).cells] == [var.name]
+    assert [c.name for c in sweep.select_cells(cfg, ["policy=fetch-snapkv"]).cells] == [plain.name]
+    run_sweep(cfg, load=no_model)
+    man = json.loads((cfg.results_dir / var.rel_dir / "cell.json").read_text())
+    assert man["cell"]["policy"] == "fetch-snapkv" and man["cell"]["variant"] == "grammar"
+    assert man["runs"][0]["policy_params"]["trigger"] == "grammar"
+    assert "variant" not in json.loads((cfg.results_dir / plain.rel_dir / "cell.json").read_text())["cell"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ("fetch-snapkv~Grammar", "bad policy variant"),
+        ("fetch-snapkv~", "bad policy variant"),
+        ("full~x", "bad policy variant"),
+        ("nosuch~x", "unknown policy 'nosuch'"),
+        ("snapkv~bare", "has no options of its own"),
+    ],
+)
+def test_bad_policy_variants_are_refused(tmp_path, fake, policy, message):
+    data = fake_config(tmp_path, policies=[policy], budgets=[0.2])
+    data["fake"] = {"n": 2, "policy_config": {"full~x": {"a": 1}, "nosuch~x": {"a": 1}}}
+    with pytest.raises(PaskError, match=message):
+        parse_config(data, tmp_path)

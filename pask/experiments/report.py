@@ -35,6 +35,7 @@ from pathlib import Path
 
 from pask.errors import PaskError
 from pask.evaluation.case_rows import read_done
+from pask.experiments.sweep import policy_id, split_policy
 from pask.tasks import TASKS
 from pask.tasks.bfcl_checker import CATEGORIES
 from pask.tasks.spider_hardness import LEVELS
@@ -119,15 +120,27 @@ class CellResult:
         return self.method + (" *" if self.status != "done" else "")
 
 
+def _color(policy: str) -> str | None:
+    return COLORS.get(split_policy(policy)[0])
+
+
 def method_name(policy: str) -> str:
-    """The display name of a policy; ``fetch-<inner>`` (KVFetch around ``inner``) reads "<Inner> + KVFetch"."""
+    """The display name of a policy; ``fetch-<inner>`` (KVFetch around ``inner``) reads "<Inner> +
+    KVFetch", a variant ``<policy>~<variant>`` "<Policy> [<variant>]"."""
+    policy, variant = split_policy(policy)
+    if variant:
+        return f"{method_name(policy)} [{variant}]"
     if policy.startswith("fetch-"):
         return f"{method_name(policy.removeprefix('fetch-'))} + KVFetch"
     return METHODS.get(policy, policy)
 
 
 def method_key(policy: str) -> tuple:
-    """Table order: METHODS' order, each ``fetch-<inner>`` right after its inner policy."""
+    """Table order: METHODS' order, each ``fetch-<inner>`` right after its inner policy, a variant
+    right after its policy."""
+    policy, variant = split_policy(policy)
+    if variant:
+        return (*method_key(policy), variant)
     order = list(METHODS)
     if policy.startswith("fetch-") and (inner := policy.removeprefix("fetch-")) in METHODS:
         return (order.index(inner), "~fetch")
@@ -176,6 +189,7 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
     if manifest and isinstance(manifest.get("cell"), dict):
         c = manifest["cell"]
         model, task, split, policy, budget = (c.get(k) for k in ("model", "task", "split", "policy", "budget"))
+        policy = policy_id(str(policy), c.get("variant"))
     elif len(rel) >= 4 and m:
         model, task, split = rel[-4], rel[-3], rel[-2]
         policy, budget = m["policy"], float(m["budget"])
@@ -184,6 +198,7 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         if not (run.get("model") and run.get("policy")):
             return None
         model, policy, budget, split = run["model"], run["policy"], run.get("budget"), run.get("split", "?")
+        policy = policy_id(str(policy), run.get("variant"))
         task = run.get("task") or ("sql" if "difficulties" in summary else "bfcl")
     if policy == "full":
         budget = None
@@ -271,7 +286,7 @@ def table_fetch(cells: list[CellResult]) -> list[str]:
     share of steps with the pointer set."""
     rows = []
     for c in sorted((c for c in cells if c.policy.startswith("fetch-")), key=lambda c: (c.budget or 1, c.policy)):
-        inner = _at(cells, c.policy.removeprefix("fetch-"), c.budget)
+        inner = _at(cells, split_policy(c.policy)[0].removeprefix("fetch-"), c.budget)
         ch, n = c.channel, max(c.channel.get("cases", 0), 1)
         base = "–" if inner is None else f"{_fmt(inner.accuracy)} ({inner.measured_b:.3f})"
         delta = (
@@ -748,7 +763,7 @@ def plot_accuracy_vs_budget(cells: list[CellResult], path: Path) -> Plot:
         name = method_name(p)
         xs = [x + shift[(p, k)] for k, (x, _) in enumerate(pts)]
         ys = [y for _, y in pts]
-        style = {"marker": marker, "markersize": 7, "markeredgewidth": 1.4, "color": COLORS.get(p), "label": name}
+        style = {"marker": marker, "markersize": 7, "markeredgewidth": 1.4, "color": _color(p), "label": name}
         if len(pts) > 1:
             ax.plot(xs, ys, linewidth=2.2 if p == "pask" else 1.3, fillstyle="none", **style)
         else:
@@ -769,7 +784,7 @@ def plot_accuracy_vs_budget(cells: list[CellResult], path: Path) -> Plot:
                 (max(xs) if right else min(xs), y_mid),
                 xytext=(10 if right else -10, 5.5 * (len(labelled) - 1) - 11 * rank),
                 textcoords="offset points", ha="left" if right else "right", va="center", fontsize=7.5,
-                color=COLORS.get(p) or "black", bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"},
+                color=_color(p) or "black", bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"},
             )  # fmt: skip
     ax.set_xlim(0, 1.05)
     ax.set_ylim(0, top)
@@ -801,7 +816,7 @@ def plot_category_bars(cells: list[CellResult], path: Path, budget: float = 0.33
     for i, c in enumerate(rows):
         xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(groups))]
         ys = [c.groups.get(g) or 0.0 for g in groups]
-        ax.bar(xs, ys, width=width, label=c.method, color=COLORS.get(c.policy))
+        ax.bar(xs, ys, width=width, label=c.method, color=_color(c.policy))
     ax.set_xticks(range(len(groups)), [g.replace("_", " ") for g in groups])
     ax.set_ylabel(_metric(rows[0].task))
     ax.set_title(f"{rows[0].model} · {_task(rows[0].task)} · {rows[0].split} · B ≈ {b:g}")

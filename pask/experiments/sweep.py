@@ -28,7 +28,16 @@ Config file (``tomllib``; relative paths are relative to the config file)::
     [bfcl.policy_config.h2o]
     recent = 32                    # overrides the tuned configuration
 
-Each cell writes ``results_dir/<model>/<task>/<split>/<policy>-b<budget>/`` (Full KV is
+    [[grid]]                       # a variant: the same policy with other options, a cell of its own
+    policies = ["fetch-snapkv~grammar"]
+    [bfcl.policy_config."fetch-snapkv~grammar"]
+    trigger = "grammar"            # on top of fetch-snapkv's own policy_config
+
+A policy written ``<policy>~<variant>`` (variant: lower-case letters, digits, ``_``; not ``full``)
+is that policy with the options of its ``policy_config`` key ``"<policy>~<variant>"`` on top of
+the policy's own, as a separate cell beside the plain one (compare two settings of one method in
+one results dir and report); the variant needs options of its own. Each cell writes
+``results_dir/<model>/<task>/<split>/<policy>[~<variant>]-b<budget>/`` (Full KV is
 ``full-b1``) through its task runner, which keeps the per-case rows in a resumable
 ``cases.jsonl`` and writes ``summary.json`` / ``summary.md``. ``cell.json`` records the cell, a
 hash of everything that changes its results (``config_hash``), the code version, timing and, per
@@ -63,6 +72,7 @@ import hashlib
 import importlib
 import itertools
 import json
+import re
 import shutil
 import sys
 import time
@@ -270,14 +280,20 @@ class Cell:
     policy_config: dict[str, Any] = field(default_factory=dict)
     table: str | None = None  # PASK table file
     threads: int | None = None
+    variant: str | None = None  # ``<policy>~<variant>``: the policy with the variant's own options
+
+    @property
+    def method(self) -> str:
+        """The policy as the config names it: ``<policy>`` or ``<policy>~<variant>``."""
+        return policy_id(self.policy, self.variant)
 
     @property
     def key(self) -> tuple:
-        return (self.model, self.task, self.split, self.policy, self.budget)
+        return (self.model, self.task, self.split, self.method, self.budget)
 
     @property
     def rel_dir(self) -> Path:
-        return Path(safe_name(self.model), self.task, self.split, f"{self.policy}-b{budget_label(self.budget)}")
+        return Path(safe_name(self.model), self.task, self.split, f"{self.method}-b{budget_label(self.budget)}")
 
     @property
     def name(self) -> str:
@@ -296,6 +312,7 @@ class Cell:
             "options": {k: self.options[k] for k in task.hashed},
             "policy_config": self.policy_config,
             "table_sha256": file_sha256(Path(self.table)) if self.table else None,
+            **({"variant": self.variant} if self.variant else {}),
         }
 
     def config_hash(self) -> str:
@@ -305,6 +322,7 @@ class Cell:
         return {
             "model": self.model,
             "policy": self.policy,
+            **({"variant": self.variant} if self.variant else {}),
             "budget": self.budget,
             "split": self.split,
             "task": self.task,
@@ -321,6 +339,28 @@ class Cell:
         if len(set(ids)) != len(ids):
             raise PaskError(f"cell {self.name}: duplicate case ids")
         return cases
+
+
+VARIANT_SEP = "~"
+_VARIANT = re.compile(r"^[a-z0-9_]+$")
+
+
+def policy_id(policy: str, variant: str | None) -> str:
+    """``<policy>`` or ``<policy>~<variant>``."""
+    return f"{policy}{VARIANT_SEP}{variant}" if variant else policy
+
+
+def split_policy(name: str) -> tuple[str, str | None]:
+    """``"fetch-snapkv~grammar"`` -> ``("fetch-snapkv", "grammar")``; a bad variant raises PaskError."""
+    policy, sep, variant = name.partition(VARIANT_SEP)
+    if not sep:
+        return name, None
+    if not _VARIANT.match(variant) or policy == "full":
+        raise PaskError(
+            f"bad policy variant {name!r}: write <policy>~<variant>, the variant of lower-case letters, digits "
+            "and _ (Full KV has no variants)"
+        )
+    return policy, variant
 
 
 def file_sha256(path: Path) -> str:
@@ -365,17 +405,24 @@ FILTER_KEYS = ("model", "task", "split", "policy", "budget")
 
 def select_cells(config: SweepConfig, only: list[str]) -> SweepConfig:
     """The config restricted to the cells matching every ``KEY=V1,V2`` filter (keys: model, task,
-    split, policy, budget; a budget as written in cell names, ``1`` for Full KV)."""
+    split, policy, budget; a policy as the config writes it, ``<policy>~<variant>`` for a variant; a
+    budget as written in cell names, ``1`` for Full KV)."""
     cells = config.cells
     for f in only:
         key, sep, values = f.partition("=")
         wanted = {v.strip() for v in values.split(",") if v.strip()}
         if not sep or key not in FILTER_KEYS or not wanted:
             raise PaskError(f"bad cell filter {f!r}: use KEY=V1,V2 with KEY one of {', '.join(FILTER_KEYS)}")
-        cells = [c for c in cells if (budget_label(c.budget) if key == "budget" else getattr(c, key)) in wanted]
+        cells = [c for c in cells if _filter_value(c, key) in wanted]
     if not cells:
         raise PaskError(f"no cell of {config.source or 'the config'} matches {' and '.join(only)}")
     return replace(config, cells=cells, only=list(only))
+
+
+def _filter_value(cell: Cell, key: str) -> str:
+    if key == "budget":
+        return budget_label(cell.budget)
+    return cell.method if key == "policy" else getattr(cell, key)
 
 
 def _list(block: dict, key: str, kind: type | tuple, where: str) -> list:
@@ -402,6 +449,7 @@ def _check_policy(name: str) -> None:
     from pask.policies import policy_names
     from pask.policies.factory import FETCH_INNER, FETCH_PREFIX
 
+    name, _ = split_policy(name)
     fetch = {FETCH_PREFIX + p for p in FETCH_INNER if p != "pask"}  # KVFetch around a baseline
     known = {*policy_names(), "kivi", *ABLATIONS, *fetch}
     if name not in known:
@@ -438,7 +486,9 @@ def _task_options(data: dict, task: str, base: Path) -> tuple[dict, dict, dict, 
         raise PaskError(f'[{task}.tables] must map model -> {{"budget" = "table file"}}')
     pcfg = block.get("policy_config", {})
     if not isinstance(pcfg, dict) or not all(isinstance(v, dict) for v in pcfg.values()):
-        raise PaskError(f"[{task}.policy_config] must map policy (or policy@budget) -> table of parameters")
+        raise PaskError(
+            f"[{task}.policy_config] must map policy (or policy@budget, policy~variant) -> table of parameters"
+        )
     return opts, tables, pcfg, _threads(block.get("threads"), f"[{task}]")
 
 
@@ -508,14 +558,23 @@ def parse_config(
             task_opts.setdefault(t, _task_options(data, t, base))
         for m, t, s, p in itertools.product(models, tasks, splits, policies):
             opts, tables, pcfg, t_threads = task_opts[t]
+            name, variant = split_policy(p)
+            if variant and p not in pcfg:
+                raise PaskError(
+                    f'{where}: the variant {p} has no options of its own in [{t}.policy_config."{p}"] (without '
+                    f"them it is the cell of {name})"
+                )
             for b in [None] if p == "full" else budgets:
-                own = pcfg.get(f"{p}@{b:g}", {}) if b is not None else {}  # "<policy>@<budget>": that cell's own
-                pc = {**pcfg.get(p, {}), **own}
-                cell = Cell(m, t, s, p, b, dtype, dict(opts), pc)
+                # the policy's options, then (a variant) the variant's; "@<budget>" keys: that cell's own
+                names = [name, f"{name}@{b:g}"] if b is not None else [name]
+                if variant:
+                    names += [p, f"{p}@{b:g}"]
+                pc = {k: v for n in names for k, v in pcfg.get(n, {}).items()}
+                cell = Cell(m, t, s, name, b, dtype, dict(opts), pc, variant=variant)
                 # --threads beats the task's threads, which beat the top-level threads
                 cell.threads = top_threads if threads is not None else (t_threads or top_threads)
-                if p in ABLATIONS:
-                    cell.table = _table_for(tables, m, b, t, base, p)
+                if name in ABLATIONS:
+                    cell.table = _table_for(tables, m, b, t, base, name)
                 cells.setdefault(cell.key, cell)
     out = sorted(cells.values(), key=_order(list(cells)))
     for c in out:
@@ -717,7 +776,8 @@ def adopt_cell(cell: Cell, cell_dir: Path, cases: list, version: dict, write: bo
         run = json.loads((cell_dir / "summary.json").read_text()).get("run", {})
     except (OSError, json.JSONDecodeError):
         return "no readable summary.json"
-    want = {"model": cell.model, "policy": cell.policy, "budget": cell.budget, "split": cell.split}
+    want = {"model": cell.model, "policy": cell.policy, "variant": cell.variant, "budget": cell.budget}
+    want["split"] = cell.split
     if "categories" in cell.options:
         want["categories"] = list(cell.options["categories"])
     if diff := [f"{k} {run.get(k)!r} != {v!r}" for k, v in want.items() if run.get(k) != v]:
@@ -830,7 +890,10 @@ def run_provenance(version: dict) -> dict:
 def new_manifest(cell: Cell, n_cases: int, version: dict, wall_s: float = 0.0) -> dict:
     """A cell's ``cell.json`` before its first run: coordinates, spec, config hash, code version."""
     return {
-        "cell": {k: getattr(cell, k) for k in ("model", "task", "split", "policy", "budget")},
+        "cell": {
+            **{k: getattr(cell, k) for k in ("model", "task", "split", "policy", "budget")},
+            **({"variant": cell.variant} if cell.variant else {}),
+        },
         "spec": cell.spec(),
         "config_hash": cell.config_hash(),
         "code_version": version,
