@@ -19,7 +19,7 @@ from pask.kv.attention import OnlineSoftmax, latent_attention, use_pask_attentio
 from pask.kv.cache import TieredCache
 from pask.kv.config import CacheConfig
 from pask.kv.errors import KVCacheError
-from pask.kv.latent import LatentProjections, LatentSpec, LatentTier, latent_bytes, source
+from pask.kv.latent import ROW_BUCKETS, LatentProjections, LatentSpec, LatentTier, latent_bytes, row_bucket, source
 from pask.policies import get_policy
 
 PROMPT = [1, 415, 2343, 11, 7445, 30, 2000, 99, 5130, 314, 1234, 3, 88, 900, 17, 4000, 12, 61, 77, 3000, 21, 9]
@@ -220,6 +220,42 @@ def test_online_softmax_projected_block_equals_plain_values():
     a.update(s, torch.matmul(z[None], w))
     b.update_projected(s, z, lambda pz, mass: torch.matmul(pz, w))
     torch.testing.assert_close(a.result(), b.result())
+
+
+def test_online_softmax_projected_block_ignores_padded_latent_rows():
+    """Latents past the scores' count (the bucketed rows of a latent cache) get zero weight."""
+    gen = torch.Generator().manual_seed(4)
+    s = torch.randn(2, 3, 7, generator=gen)
+    z = torch.randn(12, 16, generator=gen)
+    w = torch.randn(2, 16, 4, generator=gen)
+    a, b = OnlineSoftmax(2, 3, 4), OnlineSoftmax(2, 3, 4)
+    a.update_projected(s, z[:7], lambda pz, mass: torch.matmul(pz, w))
+    b.update_projected(s, z, lambda pz, mass: torch.matmul(pz, w))
+    torch.testing.assert_close(a.result(), b.result(), rtol=0, atol=0)
+
+
+@given(st.integers(0, 1 << 20))
+def test_row_buckets_round_up_a_little_to_few_shapes(m):
+    r = row_bucket(m)
+    assert m <= r <= max(m + 15, m + m // 8) and row_bucket(r) == r
+    if m >= 16:  # at most ROW_BUCKETS counts between m and 2m
+        assert len({row_bucket(k) for k in range(m, 2 * m, max(m // 64, 1))}) <= ROW_BUCKETS + 1
+
+
+def test_the_latent_gemms_run_over_bucketed_rows(smol):
+    """The block's key GEMM input and each row's value latents come with zero / spare rows up to
+    row_bucket of their count, so that a decode step's GEMM shapes repeat (PyTorch's bf16 GEMM
+    keeps memory per shape)."""
+    cfg = _latent_config(smol, 2)
+    _, cache = _run(smol, cfg, True, steps=3)
+    g = 1
+    z, _, _, _ = cache.latent_rows(g)
+    m = z.shape[0]
+    keys = cache.latent_key_rows(g)
+    assert m > 0 and keys.shape[0] == row_bucket(m) > m
+    assert torch.equal(keys[:m], z) and not keys[m:].any()
+    padded = cache.latent_padded(0, g)
+    assert padded.shape[0] == row_bucket(m) and torch.equal(padded[:m], z)
 
 
 def test_policy_copies_share_the_projections(smol):

@@ -75,16 +75,20 @@ class OnlineSoftmax:
         self.acc = self.acc * alpha[..., None] + torch.matmul(p, values)
 
     def update_projected(self, scores: torch.Tensor, z: torch.Tensor, project) -> None:
-        """Add a block whose values are a linear map of latents ``z [n, hidden]``: the weights sum the
-        latents first and ``project(pz [Hkv, rows, hidden], mass [Hkv, rows])`` maps the sum once
-        (BellowsKV's values, :meth:`pask.kv.latent.LatentTier.project_values`)."""
-        if scores.shape[-1] == 0:
+        """Add a block whose values are a linear map of latents ``z [n', hidden]`` (``n' >= n``, the
+        scores' count: rows past ``n`` get zero weight, so that the product's shapes can be bucketed):
+        the weights sum the latents first and ``project(pz [Hkv, rows, hidden], mass [Hkv, rows])``
+        maps the sum once (BellowsKV's values, :meth:`pask.kv.latent.LatentTier.project_values`)."""
+        n = scores.shape[-1]
+        if n == 0:
             return
         m_safe, alpha = self._rescale(scores.amax(dim=-1))
         p = torch.exp(scores - m_safe[..., None])
         mass = p.sum(dim=-1)
         self.l = self.l * alpha + mass
-        self.acc = self.acc * alpha[..., None] + project(torch.matmul(p.to(z.dtype), z), mass)
+        pw = p.new_zeros(*p.shape[:-1], z.shape[0], dtype=z.dtype)
+        pw[..., :n] = p
+        self.acc = self.acc * alpha[..., None] + project(torch.matmul(pw, z), mass)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Add a block already reduced to a normalised output ``[Hkv, rows, D]`` and its log-sum-exp."""
@@ -176,7 +180,8 @@ def latent_attention(
         if scores is None:
             k = lat.keys(i, z, cos, sin) if keys is None else keys
             scores = torch.matmul(qf, k.transpose(1, 2)) * scaling
-        state.update_projected(scores, lat.value_part(z), lambda pz, mass: lat.project_values(i, pz, mass))
+        values = lat.value_part(cache.latent_padded(seq, layer.group))  # bucketed rows: few GEMM shapes
+        state.update_projected(scores, values, lambda pz, mass: lat.project_values(i, pz, mass))
     return _output(state, q)
 
 
@@ -192,7 +197,7 @@ def latent_layer(layer: TieredLayer, query: torch.Tensor, scaling: float) -> tor
     keys = scores = None
     if z.shape[0]:
         i = layer.layer_idx
-        pre = lat.keys_pre(i, cache.latent_key_rows(layer.group))
+        pre = lat.keys_pre(i, cache.latent_key_rows(layer.group))[: z.shape[0]]  # rows bucketed (row_bucket)
         hkv = lat.kv_heads
         q_all = query.reshape(bsz, hkv, hq // hkv * qn, d)  # row r = j * qn + t, as _with_h_stream
         if cache.config.native and lat.rope_halves and native_latent.applies(pre, q_all):

@@ -52,7 +52,7 @@ from pask.kv.errors import (
     UnknownPositionError,
     UnsupportedModelError,
 )
-from pask.kv.latent import normed_input
+from pask.kv.latent import normed_input, row_bucket
 from pask.kv.quant import check_group
 from pask.kv.storage import _NONE, CopyStats, _GroupIndex, _SeqStore
 
@@ -340,12 +340,22 @@ class TieredCache(Cache):
         a, e = spans.get(seq, (0, 0))
         return z[a:e], cos[a:e], sin[a:e]
 
+    def latent_padded(self, seq: int, group: int) -> torch.Tensor:
+        """:meth:`latent_block`'s latents of ``seq`` followed by other rows' latents or zeros up to
+        :func:`~pask.kv.latent.row_bucket` of their count: a GEMM over them (zero weights on the
+        extra rows) sees a bounded set of shapes (:data:`~pask.kv.latent.ROW_BUCKETS`)."""
+        self.latent_rows(group)
+        buf = self._scratch[("buffer", group)]
+        a, e = self._scratch[group][3].get(seq, (0, 0))
+        return buf[a : a + row_bucket(e - a)]
+
     def latent_rows(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, tuple[int, int]]]:
         """The L tokens of every live row in ``group`` for this forward, rows one after another:
         decoded latents ``[M, hidden]`` (model dtype), RoPE ``cos, sin [M, D]`` (fp32) and each
         row's ``(start, stop)``. Computed once for the block's layers, so that each layer rebuilds
         the keys of all rows in one product; freed when the next block starts (a transient, not
-        held bytes)."""
+        held bytes). The latents sit in a buffer with zero rows after them, so that the block's
+        GEMMs can run over bucketed row counts (:meth:`latent_key_rows`, :meth:`latent_padded`)."""
         hit = self._scratch.get(group)
         if hit is None:
             lat = self.config.latent
@@ -360,24 +370,32 @@ class TieredCache(Cache):
                 pos.append(self.index(b, group).positions(L))
                 spans[b] = (at, at + src.l.n)
                 at += src.l.n
+            tail = max([row_bucket(at) - at, *(row_bucket(e - a) - (e - a) for a, e in spans.values())])
+            buf = torch.empty(at + tail, lat.hidden, dtype=lat.dtype)
             if zs:
-                hit = (torch.cat(zs) if len(zs) > 1 else zs[0], *lat.rope(torch.cat(pos)), spans)
+                torch.cat(zs, out=buf[:at])
+            buf[at:].zero_()
+            self._scratch[("buffer", group)] = buf
+            if zs:
+                hit = (buf[:at], *lat.rope(torch.cat(pos)), spans)
             else:
-                empty = torch.empty(0, lat.hidden, dtype=lat.dtype)
-                hit = (empty, torch.empty(0, lat.head_dim), torch.empty(0, lat.head_dim), spans)
+                hit = (buf[:0], torch.empty(0, lat.head_dim), torch.empty(0, lat.head_dim), spans)
             self._scratch[group] = hit
         return hit
 
     def latent_key_rows(self, group: int) -> torch.Tensor:
-        """The part of :meth:`latent_rows`' latents that keys are rebuilt from, contiguous: a split
-        latent's first ``key_dim`` values (copied once for the block's layers), else the latents."""
+        """The part of :meth:`latent_rows`' latents that keys are rebuilt from, contiguous, with zero
+        rows up to :func:`~pask.kv.latent.row_bucket` of their count (a bounded set of GEMM shapes:
+        slice the product's rows to the latents'): a split latent's first ``key_dim`` values (copied
+        once for the block's layers), else the latents."""
         lat = self.config.latent
-        z = self.latent_rows(group)[0]
+        m = self.latent_rows(group)[0].shape[0]
+        buf = self._scratch[("buffer", group)][: row_bucket(m)]
         if lat.key_dim is None:
-            return z
+            return buf
         hit = self._scratch.get(("keys", group))
         if hit is None:
-            hit = self._scratch[("keys", group)] = lat.key_part(z).contiguous()
+            hit = self._scratch[("keys", group)] = lat.key_part(buf).contiguous()
         return hit
 
     # -- actions ------------------------------------------------------------------------------
