@@ -13,13 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pask.calibration.bellows import _layers, own_projection
+from pask.cpu.bf16_matmul import row_bucket
 from pask.errors import PaskError
 from pask.kv.actions import Action, ColdOp
 from pask.kv.attention import OnlineSoftmax, latent_attention, use_pask_attention
 from pask.kv.cache import TieredCache
 from pask.kv.config import CacheConfig
 from pask.kv.errors import KVCacheError
-from pask.kv.latent import ROW_BUCKETS, LatentProjections, LatentSpec, LatentTier, latent_bytes, row_bucket, source
+from pask.kv.latent import LatentProjections, LatentSpec, LatentTier, latent_bytes, source
 from pask.policies import get_policy
 
 PROMPT = [1, 415, 2343, 11, 7445, 30, 2000, 99, 5130, 314, 1234, 3, 88, 900, 17, 4000, 12, 61, 77, 3000, 21, 9]
@@ -232,14 +233,6 @@ def test_online_softmax_projected_block_ignores_padded_latent_rows():
     a.update_projected(s, z[:7], lambda pz, mass: torch.matmul(pz, w))
     b.update_projected(s, z, lambda pz, mass: torch.matmul(pz, w))
     torch.testing.assert_close(a.result(), b.result(), rtol=0, atol=0)
-
-
-@given(st.integers(0, 1 << 20))
-def test_row_buckets_round_up_a_little_to_few_shapes(m):
-    r = row_bucket(m)
-    assert m <= r <= max(m + 15, m + m // 8) and row_bucket(r) == r
-    if m >= 16:  # at most ROW_BUCKETS counts between m and 2m
-        assert len({row_bucket(k) for k in range(m, 2 * m, max(m // 64, 1))}) <= ROW_BUCKETS + 1
 
 
 def test_the_latent_gemms_run_over_bucketed_rows(smol):

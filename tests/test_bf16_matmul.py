@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pask.cpu import bf16_matmul, native_gemv
 from pask.errors import PaskError
@@ -132,3 +134,46 @@ def test_tiny_model_in_bf16_decodes_the_same_tokens_with_fp32_products(smol):
             out = lm.model.generate(ids, max_new_tokens=8, do_sample=False)
         runs.append(out[0, ids.shape[1] :].tolist())
     assert runs[0][:4] == runs[1][:4], runs
+
+
+# -- bounded GEMM shapes -----------------------------------------------------------------------------
+@given(st.integers(0, 1 << 20))
+def test_row_buckets_round_up_a_little_to_few_counts(m):
+    r = bf16_matmul.row_bucket(m)
+    assert m <= r <= max(m + 15, m + m // 8) and bf16_matmul.row_bucket(r) == r
+    if m >= 16:  # at most ROW_BUCKETS counts between m and 2m
+        counts = {bf16_matmul.row_bucket(k) for k in range(m, 2 * m, max(m // 64, 1))}
+        assert len(counts) <= bf16_matmul.ROW_BUCKETS + 1
+
+
+def test_bounded_linear_equals_linear_over_few_shapes(monkeypatch):
+    """Prefill-sized bf16 inputs run over bucketed row counts (zero rows appended, output cut back):
+    the same values as one F.linear, and 200 prompt lengths give the GEMM only a few shapes
+    (PyTorch's bf16 GEMM keeps memory per shape)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=gen).to(torch.bfloat16)
+    b = torch.randn(48, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, 137, 40, generator=gen).to(torch.bfloat16)
+    got = bf16_matmul.bounded_linear(x, w, b)
+    assert got.shape == (1, 137, 48)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2)
+    seen = set()
+    real = F.linear
+    monkeypatch.setattr(bf16_matmul.F, "linear", lambda a, *r: seen.add(tuple(a.shape)) or real(a, *r))
+    for t in range(100, 300):
+        bf16_matmul.bounded_linear(torch.zeros(1, t, 40, dtype=torch.bfloat16), w, None)
+    assert len(seen) <= 2 * bf16_matmul.ROW_BUCKETS + 1  # 100..299 spans two doublings
+
+
+def test_prefill_inputs_of_gemv_mode_linears_take_the_bounded_gemm(monkeypatch):
+    if not (bf16_matmul.cpu_has_bf16() and native_gemv.has_bf16_io()):
+        pytest.skip("gemv mode needs a CPU with BF16 arithmetic and the native GEMV")
+    lin = torch.nn.Linear(40, 24).to(torch.bfloat16)
+    assert bf16_matmul.apply_gemv(lin, "gemv") == 1
+    calls = []
+    real = bf16_matmul.bounded_linear
+    monkeypatch.setattr(bf16_matmul, "bounded_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(1, 70, 40).to(torch.bfloat16)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin(torch.randn(1, 3, 40).to(torch.bfloat16))  # decode-sized: the native GEMV
+    assert calls == [(1, 70, 40)]

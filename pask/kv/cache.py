@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from pask.cpu.bf16_matmul import row_bucket
 from pask.kv import native_attention
 from pask.kv.actions import LOW_BITS, Action, ColdOp, harm
 from pask.kv.budget import BudgetMeter
@@ -52,7 +53,7 @@ from pask.kv.errors import (
     UnknownPositionError,
     UnsupportedModelError,
 )
-from pask.kv.latent import normed_input, row_bucket
+from pask.kv.latent import normed_input
 from pask.kv.quant import check_group
 from pask.kv.storage import _NONE, CopyStats, _GroupIndex, _SeqStore
 
@@ -342,8 +343,8 @@ class TieredCache(Cache):
 
     def latent_padded(self, seq: int, group: int) -> torch.Tensor:
         """:meth:`latent_block`'s latents of ``seq`` followed by other rows' latents or zeros up to
-        :func:`~pask.kv.latent.row_bucket` of their count: a GEMM over them (zero weights on the
-        extra rows) sees a bounded set of shapes (:data:`~pask.kv.latent.ROW_BUCKETS`)."""
+        :func:`~pask.cpu.bf16_matmul.row_bucket` of their count: a GEMM over them (zero weights on the
+        extra rows) sees a bounded set of shapes (:data:`~pask.cpu.bf16_matmul.ROW_BUCKETS`)."""
         self.latent_rows(group)
         buf = self._scratch[("buffer", group)]
         a, e = self._scratch[group][3].get(seq, (0, 0))
@@ -385,7 +386,7 @@ class TieredCache(Cache):
 
     def latent_key_rows(self, group: int) -> torch.Tensor:
         """The part of :meth:`latent_rows`' latents that keys are rebuilt from, contiguous, with zero
-        rows up to :func:`~pask.kv.latent.row_bucket` of their count (a bounded set of GEMM shapes:
+        rows up to :func:`~pask.cpu.bf16_matmul.row_bucket` of their count (a bounded set of GEMM shapes:
         slice the product's rows to the latents'): a split latent's first ``key_dim`` values (copied
         once for the block's layers), else the latents."""
         lat = self.config.latent

@@ -249,24 +249,6 @@ def normed_input(layer: int, batch: int, tokens: int) -> torch.Tensor:
     return out
 
 
-#: Rows of a bucket step per doubling of the row count (:func:`row_bucket`).
-ROW_BUCKETS = 16
-
-
-def row_bucket(m: int) -> int:
-    """``m`` rounded up to a multiple of ``2 ** (bit_length(m) - 4)`` (at least 16): at most
-    :data:`ROW_BUCKETS` counts per doubling, at most 1/8 more rows.
-
-    The latent GEMMs run over this many rows (zero rows after the latents), because PyTorch's bf16
-    GEMM (oneDNN) keeps memory for every new shape it sees, which it does not give back: a decode
-    whose latent count grows by one a step leaked about 0.75 MB a step (20 GB in a RULER cell at
-    8k tokens x 8 rows); bucketed, the shapes, and so that memory, stay bounded."""
-    if m <= 0:
-        return 0
-    step = max(16, 1 << max(m.bit_length() - 4, 0))
-    return -(-m // step) * step
-
-
 # -- the tier --------------------------------------------------------------------------------
 @dataclass(eq=False)
 class LatentTier:
