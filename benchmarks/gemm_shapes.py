@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -118,10 +119,8 @@ def spawn(args, kind: str, bucketed: bool) -> dict:
     cmd += ["--steps", str(args.steps), "--lengths", str(args.lengths), "--threads", str(args.threads)]
     if args.projections:
         cmd += ["--projections", args.projections]
-    env_threads = {"OMP_NUM_THREADS": str(args.threads)}
-    import os
-
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env_threads}, check=False)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"{kind} ({'bucketed' if bucketed else 'plain'}) failed:\n{out.stderr[-2000:]}")

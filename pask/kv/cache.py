@@ -345,10 +345,8 @@ class TieredCache(Cache):
         """:meth:`latent_block`'s latents of ``seq`` followed by other rows' latents or zeros up to
         :func:`~pask.cpu.bf16_matmul.row_bucket` of their count: a GEMM over them (zero weights on the
         extra rows) sees a bounded set of shapes (:data:`~pask.cpu.bf16_matmul.ROW_BUCKETS`)."""
-        self.latent_rows(group)
-        buf = self._scratch[("buffer", group)]
-        a, e = self._scratch[group][3].get(seq, (0, 0))
-        return buf[a : a + row_bucket(e - a)]
+        a, e = self.latent_rows(group)[3].get(seq, (0, 0))
+        return self._scratch[("buffer", group)][a : a + row_bucket(e - a)]
 
     def latent_rows(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, tuple[int, int]]]:
         """The L tokens of every live row in ``group`` for this forward, rows one after another:
