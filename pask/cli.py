@@ -74,7 +74,7 @@ OutDirOpt = Annotated[Path | None, typer.Option(help="output dir (resumes if it 
 SaveTagsOpt = Annotated[bool, typer.Option(help="store per-token tags and prompt labels")]
 PolicyConfigOpt = Annotated[str | None, typer.Option(help="policy parameters as JSON")]
 TableOpt = Annotated[Path | None, typer.Option(help="frozen PASK table (with --policy pask)")]
-TransferOpt = Annotated[bool, typer.Option(help="use a PASK table calibrated on another model")]
+TransferOpt = Annotated[bool, typer.Option(help="use a PASK table calibrated on another model or task")]
 PrefillStoreOpt = Annotated[
     Path | None,
     typer.Option(help="reuse prompt prefills across runs from this directory (sets $PASK_PREFILL_STORE)"),
@@ -128,8 +128,10 @@ def load_pask_table(table: Path | None, task: str, fingerprint: str | None, allo
     if table is None:
         raise PaskError(f"--policy pask needs --table FILE (made by `pask calibrate --task {task}`)")
     frozen = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)
+    if frozen.task != task and not allow_transfer:
+        raise PaskError(f"{table} was calibrated for task '{frozen.task}', not '{task}' (a transfer: --allow-transfer)")
     if frozen.task != task:
-        raise PaskError(f"{table} was calibrated for task '{frozen.task}', not '{task}'")
+        console.print(f"[yellow]warning:[/] {table} was calibrated for task '{frozen.task}', used on '{task}'")
     return frozen
 
 

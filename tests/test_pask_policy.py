@@ -124,6 +124,17 @@ def test_factory_loads_a_table_file_and_checks_the_budget(tmp_path):
         make_pask_policy(path, fingerprint="other-model")
 
 
+def test_factory_checks_the_task_unless_a_transfer(tmp_path):
+    from pask.policies.pask import make_pask_policy
+
+    t = mixed_table()  # calibrated on bfcl
+    path = t.save(tmp_path / "t.json")
+    assert make_pask_policy(path, task="bfcl").table.task == "bfcl"
+    with pytest.raises(PaskError, match=r"calibrated for task 'bfcl', not 'ruler'.*allow_transfer"):
+        make_pask_policy(path, task="ruler")
+    assert make_pask_policy(path, task="ruler", allow_transfer=True).table.task == "bfcl"
+
+
 def test_overhead_benchmark_runs():
     r = benchmark_overhead(steps=200, prompt_len=128)
     assert 0 < r["step_us"] < 5000 and r["prefill_tokens"] == 128

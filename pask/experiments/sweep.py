@@ -663,6 +663,7 @@ def make_cell_policy(cell: Cell, lm):
             decode=decode,
             fingerprint=lm.fingerprint if lm is not None else None,
             allow_transfer=bool(cell.options.get("allow_transfer")),
+            task=cell.task,
         )
         if cell.policy == "fetch-pask":
             from pask.policies.factory import make_fetch

@@ -162,17 +162,26 @@ def make_pask_policy(
     decode: bool = True,
     fingerprint: str | None = None,
     allow_transfer: bool = False,
+    task: str | None = None,
 ) -> PaskPolicy:
     """Registry / CLI factory: ``table`` is a :class:`FrozenTable` or the path of a table file.
 
     ``fingerprint`` (the loaded model's) is checked against the table's (see
-    :func:`pask.policies.table.load`). The budget is the table's: a ``budget`` that differs from
-    the table's ``target_b`` is an error (calibrate a table for that budget instead).
+    :func:`pask.policies.table.load`), and ``task`` (where given) against the task it was
+    calibrated on; ``allow_transfer`` lets a table of another model or task through (a
+    transfer experiment: the table's actions for the tags and labels it knows). The budget is the
+    table's: a ``budget`` that differs from the table's ``target_b`` is an error (calibrate a table
+    for that budget instead).
     """
     from pask.policies.table import load
 
     if not isinstance(table, FrozenTable):
         table = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)
+    if task is not None and table.task not in (None, task) and not allow_transfer:
+        raise PaskError(
+            f"the PASK table was calibrated for task '{table.task}', not '{task}' "
+            "(a transfer experiment needs allow_transfer: --allow-transfer, or allow_transfer = true in a sweep)"
+        )
     if budget is not None and table.target_b is not None and abs(budget - table.target_b) > 1e-9:
         raise PaskError(
             f"the PASK table was calibrated for B = {table.target_b}, not {budget}: "
