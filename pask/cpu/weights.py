@@ -1,0 +1,182 @@
+"""Weight formats of a loaded model: ``bf16`` (the GGUF dequantised once, as converted) or ``int4``.
+
+``int4`` is weight-only quantisation of every ``nn.Linear`` whose input width is a multiple of 32
+(the decoder layers' projections and the LM head; the token embedding stays bf16, since a step
+reads only a few of its rows): per group of 32 consecutive input values of an output row, a bf16
+``scale = (max - min) / 15`` and ``zero = min`` and 4-bit codes ``round((w - zero) / scale)``, so a
+weight is ``fma(code, scale, zero)`` rounded to bf16: 0.625 bytes per weight against bf16's 2.
+Groups of 32 along the input match the GGUF's Q4_K sub-blocks, whose 32 values are ``d sc q - dmin m``
+with ``q`` in 0..15: such a group re-quantises to its own 16 levels, up to the bf16 rounding of
+scale and zero (Q6_K tensors lose precision: 16 levels for 64).
+
+Decode-sized inputs (at most :data:`pask.cpu.native_gemv.MAX_ROWS` rows) run
+:func:`pask.cpu.native_gemv.linear_int4`, which reads the codes and dequantises 64 rows at a time
+into a per-thread buffer for the bf16 kernels (AMX tiles or AVX512-BF16 dot products; fp32 FMAs on
+other CPUs): a step reads about a third of the weight bytes and stays batch-invariant. Larger inputs
+(prefills) dequantise the whole weight per call and multiply as the bf16 model would
+(:func:`pask.cpu.bf16_matmul.bounded_linear` on CPUs with BF16 arithmetic, fp32 products elsewhere).
+The weights need the native kernels: ``int4`` with ``PASK_NATIVE=0`` is refused.
+
+The format is chosen per process: ``load_model(..., weights=...)``, ``--weights`` on the commands,
+``weights = "int4"`` in a sweep config, or ``PASK_WEIGHTS`` (default ``bf16``). It is part of the
+model's fingerprint (the prefill store keeps the formats apart) and of a sweep cell's identity.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from pask.errors import PaskError
+
+FORMATS = ("bf16", "int4")
+GROUP = 32  # input values per (scale, zero)
+PREFILL_ROWS = 16384  # outputs dequantised at a time for a prefill (a multiple of 16)
+ENV = "PASK_WEIGHTS"
+
+
+def configured(weights: str | None = None) -> str:
+    """``weights``, or ``PASK_WEIGHTS`` (default ``bf16``) when None; a clear error for an unknown one."""
+    w = weights if weights is not None else (os.environ.get(ENV, "").strip().lower() or "bf16")
+    if w not in FORMATS:
+        raise PaskError(f"weight format must be one of {', '.join(FORMATS)}, got {w!r}")
+    return w
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, sz)`` of a ``[N, K]`` weight (K a multiple of 32) in the kernels' tiled layout
+    (``native_gemv.cpp``): outputs in blocks of 16 (N padded with zero rows), inputs in groups of 32;
+    ``codes [Np/16, K/32, 4, 64]`` uint8, byte ``4 n + i`` of row ``r`` holding the codes of output
+    ``16 b + n`` at inputs ``32 g + 4 r + i`` (low nibble) and ``32 g + 4 r + 16 + i`` (high nibble);
+    ``sz [Np/16, K/32, 2, 16]`` bf16, the block's 16 scales then its 16 zeros."""
+    if weight.dim() != 2 or weight.shape[1] % GROUP != 0 or 0 in weight.shape:
+        raise PaskError(f"INT4 weights need a 2-d weight with a multiple of {GROUP} inputs, got {tuple(weight.shape)}")
+    n, k = weight.shape
+    groups = k // GROUP
+    g = weight.detach().float().reshape(n, groups, GROUP)
+    if not torch.isfinite(g).all():
+        raise PaskError("INT4 weights: the weight has non-finite values")
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale, zero = ((hi - lo) / 15).to(torch.bfloat16), lo.to(torch.bfloat16)
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+    q = torch.where(s > 0, (g - z) / torch.where(s > 0, s, 1.0), 0.0).round().clamp(0, 15).to(torch.uint8)
+    npad = -(-n // 16) * 16
+    if npad != n:  # zero rows: scale 0, zero 0, code 0
+        q = torch.cat([q, q.new_zeros(npad - n, groups, GROUP)])
+        scale = torch.cat([scale, scale.new_zeros(npad - n, groups)])
+        zero = torch.cat([zero, zero.new_zeros(npad - n, groups)])
+    nb = npad // 16
+    quads = q.reshape(nb, 16, groups, 8, 4)
+    packed = quads[:, :, :, :4] | (quads[:, :, :, 4:] << 4)  # [nb, n, g, r, i]
+    codes = packed.permute(0, 2, 3, 1, 4).reshape(nb, groups, 4, 64).contiguous()
+    sz = torch.stack([scale.reshape(nb, 16, groups), zero.reshape(nb, 16, groups)], 2)  # [nb, n, 2, g]
+    return codes, sz.permute(0, 3, 2, 1).contiguous()
+
+
+def dequantize_reference(codes: torch.Tensor, sz: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """The ``[N, K]`` fp32 weight ``code * scale + zero`` of a tiled INT4 weight (before any bf16
+    rounding), in PyTorch: the inverse of :func:`quantize_int4`'s layout. ``n`` cuts the padding."""
+    nb, groups = codes.shape[0], codes.shape[1]
+    c = codes.reshape(nb, groups, 4, 16, 4)  # [b, g, r, n, i]
+    q = torch.cat([c & 15, c >> 4], 2).permute(0, 3, 1, 2, 4).reshape(nb * 16, groups, GROUP).float()
+    scale = sz[:, :, 0, :].permute(0, 2, 1).reshape(nb * 16, groups, 1).float()
+    zero = sz[:, :, 1, :].permute(0, 2, 1).reshape(nb * 16, groups, 1).float()
+    w = (q * scale + zero).reshape(nb * 16, groups * GROUP)
+    return w if n is None else w[:n]
+
+
+class Int4Linear(torch.nn.Module):
+    """An ``nn.Linear`` with an INT4 weight (:func:`quantize_int4`); outputs in the original dtype."""
+
+    def __init__(
+        self, codes: torch.Tensor, sz: torch.Tensor, out_features: int, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, codes.shape[1] * GROUP
+        self.dtype = dtype
+        self.register_buffer("codes", codes)
+        self.register_buffer("sz", sz)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Int4Linear:
+        codes, sz = quantize_int4(linear.weight)
+        return cls(codes, sz, linear.out_features, linear.bias, linear.weight.dtype)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, bias={bias}"
+
+    def weight_bytes(self) -> int:
+        """Bytes of the codes and scales (what a decode step reads)."""
+        return self.codes.numel() * self.codes.element_size() + self.sz.numel() * self.sz.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pask.cpu import bf16_matmul, native_gemv
+
+        if x.numel() <= native_gemv.MAX_ROWS * self.in_features and x.dtype == torch.bfloat16:
+            return native_gemv.linear_int4(x, self.codes, self.sz, self.out_features, self.bias)
+        outs = []
+        for n0 in range(0, self.out_features, PREFILL_ROWS):  # a large head: bounded scratch per call
+            n1 = min(self.out_features, n0 + PREFILL_ROWS)
+            w = native_gemv.dequant_int4(self.codes[n0 // 16 :], self.sz[n0 // 16 :], n1 - n0)
+            b = None if self.bias is None else self.bias[n0:n1]
+            if x.dtype == torch.bfloat16 and bf16_matmul.cpu_has_bf16():
+                outs.append(bf16_matmul.bounded_linear(x, w, b))
+            else:
+                outs.append(F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
+
+def apply(model: torch.nn.Module, weights: str | None = None) -> dict:
+    """Put ``model``'s linear layers in the weight format (``bf16``: unchanged). Returns what changed:
+    ``weights``, ``layers`` (linears converted), ``bytes_before`` / ``bytes_after`` (their weights)."""
+    fmt = configured(weights)
+    report = {"weights": fmt, "layers": 0, "bytes_before": 0, "bytes_after": 0}
+    if fmt == "bf16":
+        return report
+    from pask.cpu import native, native_gemv
+
+    if native.disabled() or not native_gemv.available():
+        raise PaskError(f"--weights {fmt} needs pask's native kernels (native gemv: {native_gemv.status()})")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.in_features % GROUP == 0 and child.weight.device.type == "cpu":
+                q = Int4Linear.from_linear(child)
+                report["layers"] += 1
+                report["bytes_before"] += child.weight.numel() * child.weight.element_size()
+                report["bytes_after"] += q.weight_bytes()
+                setattr(parent, name, q)
+    if report["layers"] == 0:
+        raise PaskError(f"--weights {fmt}: the model has no linear layer to quantise")
+    return report
+
+
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every linear layer's weight (INT4: codes and scales) and
+    bias, and every other parameter (norms), but not an embedding table's (a step reads a few of its
+    rows; a tied LM head's weight counts as that linear's)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            add(mod.weight)
+            add(mod.bias)
+        elif isinstance(mod, Int4Linear):
+            add(mod.codes)
+            add(mod.sz)
+            add(mod.bias)
+    embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for p in model.parameters():
+        if p.data_ptr() not in embeddings:
+            add(p)
+    return total
