@@ -83,7 +83,7 @@ DtypeOpt = Annotated[str, typer.Option(help="weights' dtype: bf16, fp32 or fp16"
 WeightsOpt = Annotated[
     str | None,
     typer.Option(
-        help="linear layers' format: bf16, or int4 (weight-only INT4 in groups of 32; docs/performance.md); "
+        help="linear layers' format: bf16, int8 or int4 (weight-only, groups of 32; docs/performance.md); "
         "default $PASK_WEIGHTS or bf16"
     ),
 ]

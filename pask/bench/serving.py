@@ -820,13 +820,13 @@ def bandwidth_limit(weight_bytes: int, kv_per_token: int, context: float, concur
 
 
 def decode_linears(model) -> str:
-    """What computes the decode steps' linear layers: the native INT4 or bf16 GEMV (with its ISA) or PyTorch."""
+    """What computes the decode steps' linear layers: the native INT4 / INT8 or bf16 GEMV (with its ISA) or PyTorch."""
     from pask.cpu import native_gemv
 
     w = getattr(model, "pask_weights", None) or {}
     if w.get("layers"):
-        how = "AMX-INT8 tiles" if native_gemv.int4_amx() else f"bf16 kernels, {native_gemv.isa()}"
-        return f"native INT4 GEMV ({how}, {w['layers']} layers)"
+        how = "AMX-INT8 tiles" if native_gemv.quant_amx() else f"bf16 kernels, {native_gemv.isa()}"
+        return f"native {w['weights'].upper()} GEMV ({how}, {w['layers']} layers)"
     n = getattr(model, "pask_bf16_gemv_linears", 0)
     return f"native bf16 GEMV ({native_gemv.isa()}, {n} layers)" if n else "PyTorch"
 

@@ -280,53 +280,66 @@ inline uint16_t bf16_rne(float f) {  // finite f -> bf16, to nearest even
   return static_cast<uint16_t>(u >> 16);
 }
 
-// ---- INT4 weights: the tiled layout (pask/cpu/weights.py writes it) ---------------------------
+// ---- INT4 / INT8 weights: the tiled layout (pask/cpu/weights.py writes it) --------------------
 // Output rows in blocks of 16 (N padded to Np, a multiple of 16, with zero rows), inputs in groups of
-// 32 (K % 32 == 0, G = K / 32); per (block b, group g):
-//   codes [Np/16, G, 4, 64] u8: byte 4 n + i of row r holds the code of output 16 b + n at input
-//         32 g + 4 r + i (low nibble) and at 32 g + 4 (r + 4) + i (high nibble): the four rows' low and
-//         high nibbles are the eight rows of an AMX-INT8 B tile (16 columns of 4 consecutive inputs);
-//   sz    [Np/16, G, 2, 16] bf16: the 16 outputs' scales, then their zeros.
+// 32 (K % 32 == 0, G = K / 32); per (block b, group g), the eight rows of an AMX-INT8 B tile (row r:
+// 16 outputs x 4 consecutive inputs 32 g + 4 r .. + 3, byte 4 n + i):
+//   INT8 codes [Np/16, G, 8, 64] u8: the tile itself;
+//   INT4 codes [Np/16, G, 4, 64] u8: row r's byte holds the code of tile row r (low nibble) and of
+//        tile row r + 4 (high nibble);
+//   sz [Np/16, G, 2, 16] bf16: the 16 outputs' scales, then their zeros.
 // A weight is fma(code, scale, zero) (rounded to bf16 where a kernel needs it in bf16).
-inline const uint8_t* tile_codes(const uint8_t* codes, int64_t G, int64_t b, int64_t g) { return codes + (b * G + g) * 256; }
+inline const uint8_t* tile_codes(const uint8_t* codes, int64_t G, int64_t b, int64_t g, int bits) {
+  return codes + (b * G + g) * (bits == 4 ? 256 : 512);
+}
 inline const uint16_t* tile_sz(const uint16_t* sz, int64_t G, int64_t b, int64_t g) { return sz + (b * G + g) * 32; }
 
-// bf16 rows [n0, n1) (n0 % 16 == 0) of a tiled INT4 weight into out [n1 - n0, K].
-void dequant_int4(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, const uint16_t* sz, uint16_t* out) {
+// code of output n (0..15) at input 4 r + i of a block-group's codes (r 0..7, i 0..3)
+inline int tile_code(const uint8_t* c, int bits, int n, int r, int i) {
+  if (bits == 8) return c[64 * r + 4 * n + i];
+  const uint8_t byte = c[64 * (r & 3) + 4 * n + i];
+  return r < 4 ? byte & 15 : byte >> 4;
+}
+
+// bf16 rows [n0, n1) (n0 % 16 == 0) of a tiled INT4 / INT8 weight into out [n1 - n0, K].
+void dequant_tiled(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, const uint16_t* sz, uint16_t* out, int bits) {
   const int64_t G = K / 32;
   for (int64_t b = n0 / 16; b * 16 < n1; ++b) {
     const int nn = static_cast<int>(std::min<int64_t>(16, n1 - b * 16));
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* c = tile_codes(codes, G, b, g);
+      const uint8_t* c = tile_codes(codes, G, b, g, bits);
       const uint16_t* s = tile_sz(sz, G, b, g);
       alignas(64) float w[16][32];  // [output][input in the group]
 #if defined(__AVX512F__)
       const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16));
       const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + 16))), 16));
-      for (int r = 0; r < 4; ++r)
-        for (int q = 0; q < 4; ++q) {  // outputs 4 q .. 4 q + 3, 4 inputs each
-          const __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 64 * r + 16 * q)));
-          const __m512i lane_out = _mm512_add_epi32(_mm512_set1_epi32(4 * q), _mm512_srli_epi32(
-              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
-          const __m512 sl = _mm512_permutexvar_ps(lane_out, sv), zl = _mm512_permutexvar_ps(lane_out, zv);
-          alignas(64) float lo[16], hi[16];
-          _mm512_store_ps(lo, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(by, _mm512_set1_epi32(15))), sl, zl));
-          _mm512_store_ps(hi, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(by, 4)), sl, zl));
-          for (int u = 0; u < 4; ++u)
-            for (int i = 0; i < 4; ++i) {
-              w[4 * q + u][4 * r + i] = lo[4 * u + i];
-              w[4 * q + u][4 * (r + 4) + i] = hi[4 * u + i];
-            }
+      __m512 sl[4], zl[4];  // lane 4 u + i of chunk q: output 4 q + u
+      for (int q = 0; q < 4; ++q) {
+        const __m512i lane_out = _mm512_add_epi32(
+            _mm512_set1_epi32(4 * q), _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+        sl[q] = _mm512_permutexvar_ps(lane_out, sv);
+        zl[q] = _mm512_permutexvar_ps(lane_out, zv);
+      }
+      for (int r = 0; r < 8; ++r)
+        for (int q = 0; q < 4; ++q) {
+          __m512i by;
+          if (bits == 8) {
+            by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 64 * r + 16 * q)));
+          } else {
+            by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 64 * (r & 3) + 16 * q)));
+            by = r < 4 ? _mm512_and_si512(by, _mm512_set1_epi32(15)) : _mm512_srli_epi32(by, 4);
+          }
+          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(by), sl[q], zl[q]);
+          _mm_store_ps(&w[4 * q][4 * r], _mm512_extractf32x4_ps(v, 0));
+          _mm_store_ps(&w[4 * q + 1][4 * r], _mm512_extractf32x4_ps(v, 1));
+          _mm_store_ps(&w[4 * q + 2][4 * r], _mm512_extractf32x4_ps(v, 2));
+          _mm_store_ps(&w[4 * q + 3][4 * r], _mm512_extractf32x4_ps(v, 3));
         }
 #else
       for (int n = 0; n < 16; ++n) {
         const float scale = bf2f(s[n]), zero = bf2f(s[16 + n]);
-        for (int r = 0; r < 4; ++r)
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t byte = c[64 * r + 4 * n + i];
-            w[n][4 * r + i] = std::fma(static_cast<float>(byte & 15), scale, zero);
-            w[n][4 * (r + 4) + i] = std::fma(static_cast<float>(byte >> 4), scale, zero);
-          }
+        for (int r = 0; r < 8; ++r)
+          for (int i = 0; i < 4; ++i) w[n][4 * r + i] = std::fma(static_cast<float>(tile_code(c, bits, n, r, i)), scale, zero);
       }
 #endif
       for (int n = 0; n < nn; ++n) {
@@ -342,14 +355,14 @@ void dequant_int4(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, const
 }
 
 #if defined(PASK_GEMV_AMX) && defined(__AMX_INT8__)
-#define PASK_INT4_AMX 1
-// Decode rows over a tiled INT4 weight on AMX-INT8 tiles. x is quantised per row and group of 32
+#define PASK_QUANT_AMX 1
+// Decode rows over a tiled INT4 / INT8 weight on AMX-INT8 tiles. x is quantised per row and group of 32
 // inputs (x8 = rne(x * 127 / absmax), a = absmax / 127; xs = the group's fp32 sum), then per output
 // block and group: C = x8 (A: M rows x 32 s8) . codes (B: 8 rows of 16 outputs x 4 u8), and
 // y += a s C + z xs in fp32, group after group (the order never depends on M: batch-invariant).
 // Tiles: A 0 / 3, B 1 / 4, C 2 / 5 (two sets, alternating groups, so that one group's tile work
 // overlaps the previous group's fp32 epilogue).
-void int4_tile_config(int64_t M) {
+void quant_tile_config(int64_t M) {
   TileConfig cfg;
   for (int set = 0; set < 2; ++set) {
     cfg.rows[3 * set] = static_cast<uint8_t>(M), cfg.colsb[3 * set] = 32;
@@ -385,34 +398,39 @@ uint8_t* b_buffer(int64_t G) {
 }
 
 template <int MT>
-void int4_block(int64_t K, int64_t N, int64_t b, const int8_t* x8, const float* a, const float* xs, const uint8_t* codes,
-                const uint16_t* sz, const uint16_t* bias, uint16_t* y) {
+void quant_block(int64_t K, int64_t N, int64_t b, const int8_t* x8, const float* a, const float* xs, const uint8_t* codes,
+                 const uint16_t* sz, const uint16_t* bias, uint16_t* y, int bits) {
   const int64_t G = K / 32;
   // B tiles of every group, unpacked before any tile reads them (a tile load right after the
   // stores that wrote its data waits for them: measured 3x slower than loads of settled data)
-  uint8_t(*bt)[8][64] = reinterpret_cast<uint8_t(*)[8][64]>(b_buffer(G));
+  // INT8: the B tiles are the codes, read in place; INT4: unpacked here (see b_buffer)
+  const uint8_t* bt = codes + b * G * 512;
+  if (bits == 4) {
+    uint8_t* buf = b_buffer(G);
+    const __m512i m15 = _mm512_set1_epi8(15);
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = tile_codes(codes, G, b, g, 4);
+      for (int r = 0; r < 4; ++r) {
+        const __m512i v = _mm512_loadu_si512(c + 64 * r);
+        _mm512_store_si512(buf + g * 512 + 64 * r, _mm512_and_si512(v, m15));
+        _mm512_store_si512(buf + g * 512 + 64 * (r + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
+      }
+    }
+    bt = buf;
+  }
   alignas(64) int32_t cb[2][16][16];  // C tiles, read one group behind
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i m15 = _mm512_set1_epi8(15);
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* c = tile_codes(codes, G, b, g);
-    for (int r = 0; r < 4; ++r) {
-      const __m512i v = _mm512_loadu_si512(c + 64 * r);
-      _mm512_store_si512(bt[g][r], _mm512_and_si512(v, m15));
-      _mm512_store_si512(bt[g][r + 4], _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
-    }
-  }
   auto issue = [&](int64_t g) {
     if (g & 1) {
       _tile_loadd(3, x8 + 32 * g, K);
-      _tile_loadd(4, bt[g], 64);
+      _tile_loadd(4, bt + g * 512, 64);
       _tile_zero(5);
       _tile_dpbsud(5, 3, 4);
       _tile_stored(5, cb[1], 64);
     } else {
       _tile_loadd(0, x8 + 32 * g, K);
-      _tile_loadd(1, bt[g], 64);
+      _tile_loadd(1, bt + g * 512, 64);
       _tile_zero(2);
       _tile_dpbsud(2, 0, 1);
       _tile_stored(2, cb[0], 64);
@@ -441,16 +459,16 @@ void int4_block(int64_t K, int64_t N, int64_t b, const int8_t* x8, const float* 
   }
 }
 
-void int4_rows(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const int8_t* x8, const float* a,
-               const float* xs, const uint8_t* codes, const uint16_t* sz, const uint16_t* bias, uint16_t* y) {
+void quant_rows(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const int8_t* x8, const float* a,
+                const float* xs, const uint8_t* codes, const uint16_t* sz, const uint16_t* bias, uint16_t* y, int bits) {
   for (int64_t b = b0; b < b1; ++b) switch (M) {
-#define PASK_INT4_CASE(k) \
-  case k: int4_block<k>(K, N, b, x8, a, xs, codes, sz, bias, y); break;
-      PASK_INT4_CASE(1) PASK_INT4_CASE(2) PASK_INT4_CASE(3) PASK_INT4_CASE(4) PASK_INT4_CASE(5) PASK_INT4_CASE(6)
-      PASK_INT4_CASE(7) PASK_INT4_CASE(8) PASK_INT4_CASE(9) PASK_INT4_CASE(10) PASK_INT4_CASE(11)
-      PASK_INT4_CASE(12) PASK_INT4_CASE(13) PASK_INT4_CASE(14) PASK_INT4_CASE(15)
-      default: int4_block<16>(K, N, b, x8, a, xs, codes, sz, bias, y); break;
-#undef PASK_INT4_CASE
+#define PASK_Q_CASE(k) \
+  case k: quant_block<k>(K, N, b, x8, a, xs, codes, sz, bias, y, bits); break;
+      PASK_Q_CASE(1) PASK_Q_CASE(2) PASK_Q_CASE(3) PASK_Q_CASE(4) PASK_Q_CASE(5) PASK_Q_CASE(6)
+      PASK_Q_CASE(7) PASK_Q_CASE(8) PASK_Q_CASE(9) PASK_Q_CASE(10) PASK_Q_CASE(11)
+      PASK_Q_CASE(12) PASK_Q_CASE(13) PASK_Q_CASE(14) PASK_Q_CASE(15)
+      default: quant_block<16>(K, N, b, x8, a, xs, codes, sz, bias, y, bits); break;
+#undef PASK_Q_CASE
     }
 }
 #endif
@@ -575,52 +593,49 @@ int pask_linear_bf16(int64_t M, int64_t K, int64_t N, const float* x, const uint
   return 0;
 }
 
-// ---- INT4 weights (weight-only quantisation, one group per 32 values along K) ------------------
-// codes [N, K/2] u8: row n's group g is 16 bytes, byte j holding the code of k = 32 g + j (low
-// nibble) and of k = 32 g + 16 + j (high nibble); sz [N, K/32, 2] bf16 (scale, zero). A weight is
-// bf16(fma(code, scale, zero)), rounded to nearest even: the kernels below dequantise 64 weight
-// rows at a time into a per-thread bf16 buffer (L2-resident) and run the bf16 kernels above on it,
-// so a product is bit for bit the bf16 kernel's over pask_dequant_int4's weight, and as batch-invariant.
+// ---- INT4 / INT8 weights (weight-only quantisation, one (scale, zero) per 32 inputs of an output) --
+// The tiled layout above; bits 4 or 8. A weight is bf16(fma(code, scale, zero)) where the bf16
+// kernels run over 64 dequantised rows at a time (a per-thread buffer, L2-resident): bit for bit
+// the bf16 kernel's product over pask_dequant_q's weight, and as batch-invariant.
 
-// bf16 rows [n0, n1) of a tiled INT4 weight (n0 % 16 == 0) into out [n1 - n0, K].
-int pask_dequant_int4(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, const uint16_t* sz, uint16_t* out,
-                      int nthreads) {
-  if (K <= 0 || K % 32 != 0 || n0 < 0 || n0 % 16 != 0 || n1 < n0) return -1;
+// bf16 rows [n0, n1) of a tiled weight (n0 % 16 == 0) into out [n1 - n0, K].
+int pask_dequant_q(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, const uint16_t* sz, uint16_t* out, int bits,
+                   int nthreads) {
+  if (K <= 0 || K % 32 != 0 || n0 < 0 || n0 % 16 != 0 || n1 < n0 || (bits != 4 && bits != 8)) return -1;
   const int64_t chunks = (n1 - n0 + 63) / 64;
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t a = n0 + 64 * c;
-    dequant_int4(K, a, std::min(n1, a + 64), codes, sz, out + (a - n0) * K);
+    dequant_tiled(K, a, std::min(n1, a + 64), codes, sz, out + (a - n0) * K, bits);
   }
   return 0;
 }
 
-// y = x W^T + b, fp32 x / b / y (pask_linear_bf16's arithmetic) over a tiled INT4 weight of N outputs
-// (dequantised 64 rows at a time); K % 32 == 0.
-int pask_linear_int4(int64_t M, int64_t K, int64_t N, const float* x, const uint8_t* codes, const uint16_t* sz,
-                     const float* bias, float* y, int nthreads) {
-  if (M <= 0 || K <= 0 || N <= 0 || K % 32 != 0) return -1;
+// y = x W^T + b, fp32 x / b / y (pask_linear_bf16's arithmetic) over a tiled weight of N outputs; K % 32 == 0.
+int pask_linear_q(int64_t M, int64_t K, int64_t N, const float* x, const uint8_t* codes, const uint16_t* sz,
+                  const float* bias, float* y, int bits, int nthreads) {
+  if (M <= 0 || K <= 0 || N <= 0 || K % 32 != 0 || (bits != 4 && bits != 8)) return -1;
   const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t n0 = c * NC, n1 = std::min(N, n0 + NC);
     uint16_t* wb = row_buffer(NC, K);
-    dequant_int4(K, n0, n1, codes, sz, wb);
+    dequant_tiled(K, n0, n1, codes, sz, wb, bits);
     fp32_columns(M, K, N, n0, n1, x, wb, bias, y);
   }
   return 0;
 }
 
-// y = x W^T + b, all bf16, over a tiled INT4 weight of N outputs; K % 32 == 0. With AMX-INT8 tiles
-// and M <= 16: the tile kernel above (x quantised to int8 per group of 32); otherwise the bf16
-// kernels over 64 dequantised rows at a time (pask_linear_bf16_io's arithmetic). Returns -1
-// without an AVX512-BF16 build (nothing written).
-int pask_linear_int4_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const uint8_t* codes, const uint16_t* sz,
-                        const uint16_t* bias, uint16_t* y, int nthreads) {
+// y = x W^T + b, all bf16, over a tiled weight of N outputs; K % 32 == 0. With AMX-INT8 tiles and
+// M <= 16: the tile kernel above (x quantised to int8 per group of 32); otherwise the bf16 kernels
+// over 64 dequantised rows at a time (pask_linear_bf16_io's arithmetic). Returns -1 without an
+// AVX512-BF16 build (nothing written).
+int pask_linear_q_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const uint8_t* codes, const uint16_t* sz,
+                     const uint16_t* bias, uint16_t* y, int bits, int nthreads) {
 #if defined(PASK_GEMV_BF16)
-  if (M <= 0 || K <= 0 || N <= 0 || K % 32 != 0) return -1;
+  if (M <= 0 || K <= 0 || N <= 0 || K % 32 != 0 || (bits != 4 && bits != 8)) return -1;
   const int nt = nthreads > 0 ? nthreads : 1;
-#if defined(PASK_INT4_AMX)
+#if defined(PASK_QUANT_AMX)
   if (M <= 16 && gemv_amx_wanted() && amx_granted()) {
     const int64_t G = K / 32;
     thread_local std::vector<int8_t> x8;
@@ -634,10 +649,10 @@ int pask_linear_int4_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, cons
     const int64_t blocks = (N + 15) / 16, chunks = (blocks + 3) / 4;
 #pragma omp parallel num_threads(nt)
     {
-      int4_tile_config(M);
+      quant_tile_config(M);
 #pragma omp for schedule(dynamic, 4)
       for (int64_t c = 0; c < chunks; ++c)
-        int4_rows(M, K, N, 4 * c, std::min(blocks, 4 * (c + 1)), xq, ap, xp, codes, sz, bias, y);
+        quant_rows(M, K, N, 4 * c, std::min(blocks, 4 * (c + 1)), xq, ap, xp, codes, sz, bias, y, bits);
       _tile_release();
     }
     return 0;
@@ -648,20 +663,20 @@ int pask_linear_int4_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, cons
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t n0 = 64 * c, n1 = std::min(N, 64 * (c + 1));
     uint16_t* wb = row_buffer(64, K);
-    dequant_int4(K, n0, n1, codes, sz, wb);
+    dequant_tiled(K, n0, n1, codes, sz, wb, bits);
     pair_rows_range(M, K, N, n0, n1, x, wb, bias, y);
   }
   return 0;
 #else
-  (void)M, (void)K, (void)N, (void)x, (void)codes, (void)sz, (void)bias, (void)y, (void)nthreads;
+  (void)M, (void)K, (void)N, (void)x, (void)codes, (void)sz, (void)bias, (void)y, (void)bits, (void)nthreads;
   return -1;
 #endif
 }
 
-// Whether pask_linear_int4_io runs the AMX-INT8 kernel for decode rows here (1) or the bf16 kernels
+// Whether pask_linear_q_io runs the AMX-INT8 kernel for decode rows here (1) or the bf16 kernels
 // over dequantised rows (0).
-int pask_int4_amx() {
-#if defined(PASK_INT4_AMX)
+int pask_q_amx() {
+#if defined(PASK_QUANT_AMX)
   return gemv_amx_wanted() && amx_granted() ? 1 : 0;
 #else
   return 0;

@@ -20,6 +20,7 @@ rows and up to 8 input rows at a time.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from pathlib import Path
 
 import torch
@@ -48,13 +49,13 @@ def _probe() -> str:
     g.restype = ctypes.c_int
     lib.pask_gemv_use_amx.argtypes = [ctypes.c_int]
     lib.pask_gemv_use_amx.restype = ctypes.c_int
-    for name in ("pask_linear_int4", "pask_linear_int4_io"):
+    for name in ("pask_linear_q", "pask_linear_q_io"):
         h = getattr(lib, name)
-        h.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int]
+        h.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
         h.restype = ctypes.c_int
-    lib.pask_dequant_int4.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-    lib.pask_dequant_int4.restype = ctypes.c_int
-    lib.pask_int4_amx.restype = ctypes.c_int
+    lib.pask_dequant_q.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.pask_dequant_q.restype = ctypes.c_int
+    lib.pask_q_amx.restype = ctypes.c_int
     _LIB = lib
     gen = torch.Generator().manual_seed(0)
     for m, k, n, bias in ((1, 64, 40, False), (3, 136, 17, True), (8, 256, 33, True), (11, 64, 5, False)):
@@ -76,16 +77,16 @@ def _probe() -> str:
             if not torch.allclose(got, want, rtol=2**-7, atol=1e-3):
                 _LIB = None
                 return f"probe mismatch, bf16 path (max abs error {float((got - want).abs().max()):.2e})"
-    from pask.cpu.weights import quantize_int4  # INT4 weights: within int8 activations' error (AMX) of F.linear
+    from pask.cpu.weights import quantize  # INT4 / INT8 weights: within int8 activations' error (AMX) of F.linear
 
-    for m, k, n in ((1, 64, 40), (9, 96, 17)):
-        codes, sz = quantize_int4(torch.randn(n, k, generator=gen))
+    for (m, k, n), bits in itertools.product(((1, 64, 40), (9, 96, 17)), (4, 8)):
+        codes, sz = quantize(torch.randn(n, k, generator=gen), bits)
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-        want = F.linear(x.float(), dequant_int4(codes, sz, n).float())
-        got = linear_int4(x, codes, sz, n).float()
+        want = F.linear(x.float(), dequant(codes, sz, n, bits).float())
+        got = linear_quant(x, codes, sz, n, bits).float()
         if not torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max())):
             _LIB = None
-            return f"probe mismatch, int4 path (max abs error {float((got - want).abs().max()):.2e})"
+            return f"probe mismatch, int{bits} path (max abs error {float((got - want).abs().max()):.2e})"
     return "ok"
 
 
@@ -170,30 +171,32 @@ def use_amx(on: bool) -> bool:
     return has_bf16_io() and bool(_LIB.pask_gemv_use_amx(int(on)))
 
 
-def dequant_int4(codes: torch.Tensor, sz: torch.Tensor, n: int) -> torch.Tensor:
-    """bf16 weight ``[n, K]`` of a tiled INT4 weight (:func:`pask.cpu.weights.quantize_int4`):
+def dequant(codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """bf16 weight ``[n, K]`` of a tiled INT4 / INT8 weight (:func:`pask.cpu.weights.quantize`):
     ``fma(code, scale, zero)`` rounded to nearest even."""
     if _LIB is None and not available():
         raise RuntimeError(f"pask native gemv is {status()}")
     k = codes.shape[1] * 32
     out = torch.empty(n, k, dtype=torch.bfloat16)
-    if _LIB.pask_dequant_int4(k, 0, n, codes.data_ptr(), sz.data_ptr(), out.data_ptr(), torch.get_num_threads()) != 0:
-        raise RuntimeError(f"native int4 dequantisation rejected the shape ({n} x {k})")
+    rc = _LIB.pask_dequant_q(k, 0, n, codes.data_ptr(), sz.data_ptr(), out.data_ptr(), bits, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"native dequantisation rejected the shape ({n} x {k}, {bits} bits)")
     return out
 
 
-def int4_amx() -> bool:
-    """Whether :func:`linear_int4` runs decode rows on AMX-INT8 tiles here (int8 activations per group
-    of 32) rather than the bf16 kernels over dequantised rows."""
-    return available() and _LIB is not None and bool(_LIB.pask_int4_amx())
+def quant_amx() -> bool:
+    """Whether :func:`linear_quant` runs decode rows on AMX-INT8 tiles here (int8 activations per
+    group of 32) rather than the bf16 kernels over dequantised rows."""
+    return available() and _LIB is not None and bool(_LIB.pask_q_amx())
 
 
-def linear_int4(
-    x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: int, bias: torch.Tensor | None = None
+def linear_quant(
+    x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear`` on bf16 ``x [..., K]`` over a tiled INT4 weight of ``n`` outputs -> bf16 ``[..., n]``:
-    on AMX-INT8 tiles (decode rows: :func:`int4_amx`), else :func:`linear_bf16`'s arithmetic where
-    :func:`has_bf16_io`, else :func:`linear`'s fp32 one rounded to bf16, over :func:`dequant_int4`'s weight."""
+    """``F.linear`` on bf16 ``x [..., K]`` over a tiled INT4 / INT8 weight of ``n`` outputs -> bf16
+    ``[..., n]``: on AMX-INT8 tiles (decode rows: :func:`quant_amx`), else :func:`linear_bf16`'s
+    arithmetic where :func:`has_bf16_io`, else :func:`linear`'s fp32 one rounded to bf16, over
+    :func:`dequant`'s weight."""
     if _LIB is None and not available():
         raise RuntimeError(f"pask native gemv is {status()}")
     k = codes.shape[1] * 32
@@ -202,16 +205,16 @@ def linear_int4(
         xb = rows.to(torch.bfloat16).contiguous()
         b = None if bias is None else bias.to(torch.bfloat16).contiguous()
         y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
-        fn = _LIB.pask_linear_int4_io
+        fn = _LIB.pask_linear_q_io
     else:
         xb = rows.float().contiguous()
         b = None if bias is None else bias.float().contiguous()
         y = torch.empty(xb.shape[0], n, dtype=torch.float32)
-        fn = _LIB.pask_linear_int4
+        fn = _LIB.pask_linear_q
     rc = fn(
         xb.shape[0], k, n, xb.data_ptr(), codes.data_ptr(), sz.data_ptr(), None if b is None else b.data_ptr(),
-        y.data_ptr(), torch.get_num_threads(),
+        y.data_ptr(), bits, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise RuntimeError(f"native int4 linear rejected the shape ({xb.shape[0]} x {k} x {n})")
+        raise RuntimeError(f"native quantised linear rejected the shape ({xb.shape[0]} x {k} x {n}, {bits} bits)")
     return y.to(torch.bfloat16).reshape(*x.shape[:-1], n)

@@ -4,7 +4,7 @@ Config file (``tomllib``; relative paths are relative to the config file)::
 
     results_dir = "results/paper"
     dtype = "bf16"                 # bf16 | fp32
-    weights = "bf16"               # bf16 | int4: the linear layers' format (pask.cpu.weights)
+    weights = "bf16"               # bf16 | int8 | int4: the linear layers' format (pask.cpu.weights)
     threads = 2                    # torch threads per process (per Ray task)
     models = ["qwen2.5-coder-0.5b"]
     tasks = ["bfcl"]
@@ -114,7 +114,7 @@ ABLATIONS = {
 #: ``fetch-pask``'s is a table fitted to the hot budget KVFetch leaves it (docs/kvfetch.md).
 OWN_TABLES = ("pask-3a", "pask-k4v2", "fetch-pask")
 DTYPES = ("bf16", "fp32")
-WEIGHT_FORMATS = ("bf16", "int4")  # pask.cpu.weights.FORMATS
+WEIGHT_FORMATS = ("bf16", "int8", "int4")  # pask.cpu.weights.FORMATS
 _PRODUCT_KEYS = ("models", "tasks", "splits", "policies", "budgets")
 _TOP_KEYS = {"results_dir", "dtype", "weights", "threads", "grid", *_PRODUCT_KEYS}
 

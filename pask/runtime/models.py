@@ -457,7 +457,7 @@ def load_model(
 ) -> LoadedModel:
     """Load a model and tokenizer by embedded name, local directory or hub id (in its own thread:
     see :func:`in_own_thread`). ``weights``: the linear layers' format (:mod:`pask.cpu.weights`:
-    ``bf16`` or ``int4``; None: ``PASK_WEIGHTS``, default ``bf16``)."""
+    ``bf16``, ``int8`` or ``int4``; None: ``PASK_WEIGHTS``, default ``bf16``)."""
     from pask.cpu import weights as wfmt
 
     fmt = wfmt.configured(weights)
@@ -484,6 +484,6 @@ def _load_model(name_or_path: str, dtype: torch.dtype, attn_implementation: str,
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.pask_load_seconds = time.perf_counter() - t0
-    model.pask_weights = wfmt.apply(model, weights)  # INT4 linears where weights == "int4"
+    model.pask_weights = wfmt.apply(model, weights)  # quantised linears (int8 / int4)
     model._pask_fingerprint = _fingerprint(model, path, weights)  # read by the prefill store
     return LoadedModel(name=display, model=model, tokenizer=tok, fingerprint=model._pask_fingerprint)

@@ -1,13 +1,14 @@
-"""Decode steps with INT4 weights (``--weights int4``, :mod:`pask.cpu.weights`) against bf16 weights.
+"""Decode steps with INT8 / INT4 weights (``--weights``, :mod:`pask.cpu.weights`) against bf16 weights.
 
-    .venv/bin/python benchmarks/weights_int4.py [--model qwen2.5-coder-0.5b] [--threads 2]
+    .venv/bin/python benchmarks/weights_quant.py [--model qwen2.5-coder-0.5b] [--threads 2]
 
-Loads the model twice (bf16, int4; each with the mode ``auto`` gives this CPU) and times, interleaved,
-a prefill of ``--prompt`` tokens (batch 1) and decode steps at each of ``--batches`` over ``--context``
-cached tokens (Full KV); also the bytes of weights a decode step reads
+Loads the model once per format (bf16, int8, int4; each in the mode ``auto`` gives this CPU) and times,
+interleaved, a prefill of ``--prompt`` tokens (batch 1) and decode steps at each of ``--batches`` over
+``--context`` cached tokens (Full KV); also the bytes of weights a decode step reads
 (:func:`pask.cpu.weights.step_weight_bytes`), the largest logit difference of the prefill and whether
-the greedy token agrees on ``--prompts`` random prompts. Writes ``benchmarks/results/weights_int4.{json,md}``.
-Accuracy on the tasks is measured by the sweeps (``benchmarks/weights-int4-*.toml``), not here.
+the greedy token agrees with bf16's on ``--prompts`` random prompts. Writes
+``benchmarks/results/weights_quant.{json,md}``. Accuracy on the tasks is measured by sweeps
+(``benchmarks/weights-*.toml``), not here.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="random prompts for the greedy-token agreement")
     add_allow_dirty(ap)
     args = ap.parse_args()
-    check_clean(OUT / "weights_int4", args.allow_dirty)
+    check_clean(OUT / "weights_quant", args.allow_dirty)
     batches = [int(b) for b in args.batches.split(",")]
     if any(not 1 <= b <= native_gemv.MAX_ROWS for b in batches):
         raise SystemExit(f"--batches: decode batches of 1..{native_gemv.MAX_ROWS} rows")
@@ -56,7 +57,7 @@ def main() -> None:
     ctx = torch.randint(100, 20000, (max(batches), args.context), generator=gen)
     step = torch.randint(100, 20000, (max(batches), 1), generator=gen)
     probes = torch.randint(100, 20000, (args.prompts, 64), generator=gen)
-    models = {w: load_model(args.model, dtype=torch.bfloat16, weights=w) for w in ("bf16", "int4")}
+    models = {w: load_model(args.model, dtype=torch.bfloat16, weights=w) for w in ("bf16", "int8", "int4")}
     rows, logits, greedy = {}, {}, {}
     with torch.inference_mode():
         for w, lm in models.items():
@@ -81,8 +82,8 @@ def main() -> None:
         }
         for w in models
     }
-    agree = int((greedy["bf16"] == greedy["int4"]).sum())
-    command = "python benchmarks/weights_int4.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    agree = {w: int((greedy["bf16"] == greedy[w]).sum()) for w in ("int8", "int4")}
+    command = "python benchmarks/weights_quant.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out = {
         "command": command,
         "model": args.model,
@@ -91,19 +92,19 @@ def main() -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         "bf16_matmul": bf16_matmul.resolved(),
-        "int4_kernel": "AMX-INT8 tiles" if native_gemv.int4_amx() else f"bf16 kernels ({native_gemv.isa()})",
-        "int4_layers": models["int4"].model.pask_weights["layers"],
+        "quant_kernel": "AMX-INT8 tiles" if native_gemv.quant_amx() else f"bf16 kernels ({native_gemv.isa()})",
+        "quant_layers": models["int4"].model.pask_weights["layers"],
         "weights": res,
-        "max_prefill_logit_diff": float((logits["bf16"] - logits["int4"]).abs().max()),
+        "max_prefill_logit_diff": {w: float((logits["bf16"] - logits[w]).abs().max()) for w in ("int8", "int4")},
         "greedy_agree": agree,
         "prompts": args.prompts,
     }
-    b16, i4 = res["bf16"], res["int4"]
+    b16 = res["bf16"]
     lines = [
-        f"# {args.model}: INT4 weights against bf16 ({args.threads} threads)",
+        f"# {args.model}: INT8 / INT4 weights against bf16 ({args.threads} threads)",
         "",
         f"Command: `{command}`  ",
-        f"INT4 decode kernel: {out['int4_kernel']} ({out['int4_layers']} linear layers, LM head included); "
+        f"Quantised decode kernel: {out['quant_kernel']} ({out['quant_layers']} linear layers, LM head included); "
         f"bf16 mode `{out['bf16_matmul']}`. Medians of {args.repeats} interleaved runs; decode steps with "
         f"Full KV over {args.context} cached tokens; speed-ups against bf16 in brackets.",
         "",
@@ -123,14 +124,15 @@ def main() -> None:
             for b in batches
         ]
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"- Largest logit difference of the prefill's last token: {out['max_prefill_logit_diff']:.3f}; the greedy "
-        f"next token agrees on {agree} of {args.prompts} random 64-token prompts.",
-        f"- Bytes a step reads: {i4['step_weight_bytes'] / b16['step_weight_bytes']:.3f}x of bf16 (codes and "
-        "scales of every linear layer, norms; not the embedding table).",
-    ]
-    write_result(OUT / "weights_int4", out, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
+    lines.append("")
+    for w in ("int8", "int4"):
+        lines.append(
+            f"- {w}: largest logit difference of the prefill's last token against bf16 "
+            f"{out['max_prefill_logit_diff'][w]:.3f}; the greedy next token agrees on {agree[w]} of {args.prompts} "
+            f"random 64-token prompts; a step reads {res[w]['step_weight_bytes'] / b16['step_weight_bytes']:.3f}x "
+            "the bytes of bf16 (codes and scales of every linear layer, norms; not the embedding table)."
+        )
+    write_result(OUT / "weights_quant", out, "\n".join(lines) + "\n", command=command, allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":
