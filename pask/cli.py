@@ -80,6 +80,13 @@ PrefillStoreOpt = Annotated[
     typer.Option(help="reuse prompt prefills across runs from this directory (sets $PASK_PREFILL_STORE)"),
 ]
 DtypeOpt = Annotated[str, typer.Option(help="weights' dtype: bf16, fp32 or fp16")]
+WeightsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="linear layers' format: bf16, int8 or int4 (weight-only, groups of 32; docs/performance.md); "
+        "default $PASK_WEIGHTS or bf16"
+    ),
+]
 MetaOpt = Annotated[Path | None, typer.Option(help="--policy meta: the MetaKV predictor file (`pask meta fit`)")]
 MaxLatencyOpt = Annotated[
     float | None,
@@ -424,6 +431,7 @@ def eval_task(
     max_new_tokens: Annotated[int | None, typer.Option(help="generation allowance (default: the task's)")] = None,
     out: OutDirOpt = None,
     dtype: str = "bf16",
+    weights: WeightsOpt = None,
     threads: int | None = None,
     save_tags: SaveTagsOpt = False,
     policy_config: PolicyConfigOpt = None,
@@ -472,10 +480,13 @@ def eval_task(
     else:
         build = _policy_builder(task, policy, budget, policy_config, table, allow_transfer)
     out = out or Path("runs") / f"{task}-{model.replace('/', '_')}-{policy}-{split}"
+    weights = _weights(weights)
     settings = _eval_settings(t, model, policy, budget, policy_config, table, split, max_new_tokens, dtype, options)
+    if weights != "bf16":  # a run's rows depend on it (bf16 runs keep their settings as before)
+        settings["weights"] = weights
     check_settings(out, settings, force)  # before the model loads; run_task checks again (a no-op)
     _threads(threads, prefill_store)
-    lm = load_model(model, dtype=_dtype(dtype))
+    lm = load_model(model, dtype=_dtype(dtype), weights=weights)
     selector = None
     if policy == "meta":
         selector, kv_policy = build(lm, batch_size), None
@@ -981,6 +992,7 @@ def serve(
     allow_transfer: TransferOpt = False,
     prefill_store: PrefillStoreOpt = None,
     dtype: str = "bf16",
+    weights: WeightsOpt = None,
     threads: Annotated[
         int | None,
         typer.Option(
@@ -1057,7 +1069,7 @@ def serve(
 
         per = threads if threads is not None else max(1, (os.cpu_count() or 1) // replicas) if ray == "local" else 1
         spec = ReplicaSpec(
-            model=model, dtype=dtype, policy=policy, budget=budget, policy_config=policy_config,
+            model=model, dtype=dtype, weights=weights, policy=policy, budget=budget, policy_config=policy_config,
             table=str(table) if table else None, allow_transfer=allow_transfer, capacity_tokens=capacity_tokens,
             max_batch=max_batch, max_tokens=max_tokens, limits=limits, threads=per,
             prefill_store=str(prefill_store) if prefill_store else None,
@@ -1072,7 +1084,7 @@ def serve(
         deploy(spec, replicas, ray, host, port, on_ready=ready)
         return
     _threads(threads, prefill_store)
-    lm = _serving_model(model, dtype)
+    lm = _serving_model(model, dtype, weights)
     selector = factory = None
     if meta_args is not None:  # the scheduler is built from the selector's probe: one cache for all, checked
         from pask.meta.selector import MetaSelector
@@ -1339,9 +1351,16 @@ def _serve_meta_args(policy, meta, max_latency_ms, max_kv_mb, candidates, budget
     return pred, defaults, allowed
 
 
-def _serving_model(model: str, dtype: str):
+def _serving_model(model: str, dtype: str, weights: str | None = None):
     """The model as the server runs it (:func:`pask.serving.replicas.serving_model`)."""
-    return serving_model(model, _dtype(dtype))
+    return serving_model(model, _dtype(dtype), _weights(weights))
+
+
+def _weights(weights: str | None) -> str:
+    """The weight format of ``--weights`` (None: ``$PASK_WEIGHTS`` or bf16), checked."""
+    from pask.cpu.weights import configured
+
+    return configured(weights)
 
 
 @bench_app.command("serve")
@@ -1370,6 +1389,7 @@ def bench_serve_cmd(
         ),
     ] = None,
     dtype: str = "bf16",
+    weights: WeightsOpt = None,
     threads: int | None = None,
     allow_dirty: Annotated[
         bool, typer.Option(help="write --out into benchmarks/results/ even with uncommitted code changes")
@@ -1416,7 +1436,7 @@ def bench_serve_cmd(
         abort_within=abort_within,
     )
     _threads(threads, prefill_store)
-    lm = _serving_model(model, dtype)
+    lm = _serving_model(model, dtype, weights)
     factories = {
         n: serving_policy_factory(n, None if n == "full" else budget, None, table, lm.fingerprint) for n in names
     }

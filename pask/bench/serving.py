@@ -45,6 +45,7 @@ from pathlib import Path
 
 import jsonschema
 
+from pask.cpu.weights import step_weight_bytes
 from pask.errors import PaskError
 from pask.runtime.capacity import kv_bytes_per_token
 from pask.runtime.models import LoadedModel
@@ -819,9 +820,13 @@ def bandwidth_limit(weight_bytes: int, kv_per_token: int, context: float, concur
 
 
 def decode_linears(model) -> str:
-    """What computes the decode steps' linear layers: the native bf16 GEMV (with its ISA) or PyTorch."""
+    """What computes the decode steps' linear layers: the native INT4 / INT8 or bf16 GEMV (with its ISA) or PyTorch."""
     from pask.cpu import native_gemv
 
+    w = getattr(model, "pask_weights", None) or {}
+    if w.get("layers"):
+        how = "AMX-INT8 tiles" if native_gemv.quant_amx() else f"bf16 kernels, {native_gemv.isa()}"
+        return f"native {w['weights'].upper()} GEMV ({how}, {w['layers']} layers)"
     n = getattr(model, "pask_bf16_gemv_linears", 0)
     return f"native bf16 GEMV ({native_gemv.isa()}, {n} layers)" if n else "PyTorch"
 
@@ -847,7 +852,7 @@ def bench_serve(
         raise PaskError("the serving benchmark needs at least one policy")
     n = min(cfg.concurrency * cfg.requests_per_client, MAX_BODIES)  # a soak test cycles through them
     bodies = build_bodies(lm.tokenizer, lm.name, n, cfg)
-    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    weights = step_weight_bytes(lm.model)
     per_token = kv_bytes_per_token(lm.model.config, next(lm.model.parameters()).dtype)
     results = {}
     order = [REF_POLICY] if REF_POLICY in factories else []

@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -142,12 +143,13 @@ inline uint16_t f2bf(float f) {  // round to nearest even (finite values)
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Rows [n0, n1) of y by pairs of weight rows (the path without tiles, and the tail of the tile path).
+// Rows [n0, n1) of y by pairs of weight rows (the path without tiles, and the tail of the tile path;
+// w points at row n0).
 void pair_rows_range(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint16_t* x, const uint16_t* w,
                      const uint16_t* bias, uint16_t* y) {
   for (int64_t n = n0; n < n1; n += 2) {
     const bool two = n + 1 < n1;
-    const uint16_t* w0 = w + n * K;
+    const uint16_t* w0 = w + (n - n0) * K;
     const uint16_t* w1 = two ? w0 + K : w0;
     const float b0 = bias ? bf2f(bias[n]) : 0.0f, b1 = bias && two ? bf2f(bias[n + 1]) : 0.0f;
     for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
@@ -212,7 +214,7 @@ inline void store_tile(int64_t M, int64_t N, int64_t col, const float (*c)[16], 
   }
 }
 
-// Weight rows [n0, n1) (n1 - n0 a multiple of 16), tile config loaded.
+// Weight rows [n0, n1) (n1 - n0 a multiple of 16; w points at row n0), tile config loaded.
 void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const uint32_t* xt, const uint16_t* w,
                const uint16_t* bias, uint16_t* y) {
   const int64_t ldw = K * 2, ldx = M * 4;
@@ -223,7 +225,7 @@ void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const ui
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    const uint16_t* wn = w + n * K;
+    const uint16_t* wn = w + (n - n0) * K;
     for (int64_t k = 0; k < K; k += 32) {
       _tile_loadd(0, xt + (k / 2) * M, ldx);
       _tile_loadd(1, wn + k, ldw);
@@ -249,6 +251,256 @@ void tile_rows(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const ui
   }
 }
 #endif
+
+#if defined(PASK_GEMV_AMX)
+// x^T as VNNI pairs: xt[p][m] = (x[m][2p], x[m][2p + 1]) for every pair p of the K values (the
+// calling thread's buffer, kept across calls: no allocation per layer; the team reads it by pointer)
+const uint32_t* pack_pairs(int64_t M, int64_t K, const uint16_t* x) {
+  thread_local std::vector<uint32_t> buf;
+  buf.resize(static_cast<size_t>(K / 2) * M);
+  uint32_t* xt = buf.data();
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < K / 2; ++p) xt[p * M + m] = x32[m * (K / 2) + p];
+  return xt;
+}
+#endif
+
+// A per-thread buffer of rows x K bf16 values, kept across calls (64-byte aligned).
+uint16_t* row_buffer(int64_t rows, int64_t K) {
+  thread_local std::vector<uint16_t> buf;
+  buf.resize(static_cast<size_t>(rows * K) + 32);
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+}
+
+inline uint16_t bf16_rne(float f) {  // finite f -> bf16, to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// ---- INT4 / INT8 weights: the tiled layout (pask/cpu/weights.py writes it) --------------------
+// Output rows in blocks of 16 (N padded to Np, a multiple of 16, with zero rows), inputs in groups of
+// 32 (K % 32 == 0, G = K / 32); per (block b, group g), the eight rows of an AMX-INT8 B tile (row r:
+// 16 outputs x 4 consecutive inputs 32 g + 4 r .. + 3, byte 4 n + i):
+//   INT8 codes [Np/16, G, 8, 64] u8: the tile itself;
+//   INT4 codes [Np/16, G, 4, 64] u8: row r's byte holds the code of tile row r (low nibble) and of
+//        tile row r + 4 (high nibble);
+//   sz [Np/16, G, 2, 16] bf16: the 16 outputs' scales, then their zeros.
+// A weight is fma(code, scale, zero) (rounded to bf16 where a kernel needs it in bf16).
+inline const uint8_t* tile_codes(const uint8_t* codes, int64_t G, int64_t b, int64_t g, int bits) {
+  return codes + (b * G + g) * (bits == 4 ? 256 : 512);
+}
+inline const uint16_t* tile_sz(const uint16_t* sz, int64_t G, int64_t b, int64_t g) { return sz + (b * G + g) * 32; }
+
+// code of output n (0..15) at input 4 r + i of a block-group's codes (r 0..7, i 0..3)
+inline int tile_code(const uint8_t* c, int bits, int n, int r, int i) {
+  if (bits == 8) return c[64 * r + 4 * n + i];
+  const uint8_t byte = c[64 * (r & 3) + 4 * n + i];
+  return r < 4 ? byte & 15 : byte >> 4;
+}
+
+// bf16 rows [n0, n1) (n0 % 16 == 0) of a tiled INT4 / INT8 weight into out [n1 - n0, K].
+void dequant_tiled(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, const uint16_t* sz, uint16_t* out, int bits) {
+  const int64_t G = K / 32;
+  for (int64_t b = n0 / 16; b * 16 < n1; ++b) {
+    const int nn = static_cast<int>(std::min<int64_t>(16, n1 - b * 16));
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = tile_codes(codes, G, b, g, bits);
+      const uint16_t* s = tile_sz(sz, G, b, g);
+      alignas(64) float w[16][32];  // [output][input in the group]
+#if defined(__AVX512F__)
+      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16));
+      const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + 16))), 16));
+      __m512 sl[4], zl[4];  // lane 4 u + i of chunk q: output 4 q + u
+      for (int q = 0; q < 4; ++q) {
+        const __m512i lane_out = _mm512_add_epi32(
+            _mm512_set1_epi32(4 * q), _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+        sl[q] = _mm512_permutexvar_ps(lane_out, sv);
+        zl[q] = _mm512_permutexvar_ps(lane_out, zv);
+      }
+      for (int r = 0; r < 8; ++r)
+        for (int q = 0; q < 4; ++q) {
+          __m512i by;
+          if (bits == 8) {
+            by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 64 * r + 16 * q)));
+          } else {
+            by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 64 * (r & 3) + 16 * q)));
+            by = r < 4 ? _mm512_and_si512(by, _mm512_set1_epi32(15)) : _mm512_srli_epi32(by, 4);
+          }
+          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(by), sl[q], zl[q]);
+          _mm_store_ps(&w[4 * q][4 * r], _mm512_extractf32x4_ps(v, 0));
+          _mm_store_ps(&w[4 * q + 1][4 * r], _mm512_extractf32x4_ps(v, 1));
+          _mm_store_ps(&w[4 * q + 2][4 * r], _mm512_extractf32x4_ps(v, 2));
+          _mm_store_ps(&w[4 * q + 3][4 * r], _mm512_extractf32x4_ps(v, 3));
+        }
+#else
+      for (int n = 0; n < 16; ++n) {
+        const float scale = bf2f(s[n]), zero = bf2f(s[16 + n]);
+        for (int r = 0; r < 8; ++r)
+          for (int i = 0; i < 4; ++i) w[n][4 * r + i] = std::fma(static_cast<float>(tile_code(c, bits, n, r, i)), scale, zero);
+      }
+#endif
+      for (int n = 0; n < nn; ++n) {
+        uint16_t* o = out + (b * 16 + n - n0) * K + 32 * g;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(w[n] + 16), _mm512_load_ps(w[n])));
+#else
+        for (int k = 0; k < 32; ++k) o[k] = bf16_rne(w[n][k]);
+#endif
+      }
+    }
+  }
+}
+
+#if defined(PASK_GEMV_AMX) && defined(__AMX_INT8__)
+#define PASK_QUANT_AMX 1
+// Decode rows over a tiled INT4 / INT8 weight on AMX-INT8 tiles. x is quantised per row and group of 32
+// inputs (x8 = rne(x * 127 / absmax), a = absmax / 127; xs = the group's fp32 sum), then per output
+// block and group: C = x8 (A: M rows x 32 s8) . codes (B: 8 rows of 16 outputs x 4 u8), and
+// y += a s C + z xs in fp32, group after group (the order never depends on M: batch-invariant).
+// Tiles: A 0 / 3, B 1 / 4, C 2 / 5 (two sets, alternating groups, so that one group's tile work
+// overlaps the previous group's fp32 epilogue).
+void quant_tile_config(int64_t M) {
+  TileConfig cfg;
+  for (int set = 0; set < 2; ++set) {
+    cfg.rows[3 * set] = static_cast<uint8_t>(M), cfg.colsb[3 * set] = 32;
+    cfg.rows[3 * set + 1] = 8, cfg.colsb[3 * set + 1] = 64;
+    cfg.rows[3 * set + 2] = static_cast<uint8_t>(M), cfg.colsb[3 * set + 2] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// x [M, K] bf16 -> x8 [M, K] s8, a [M, G], xs [M, G] (see above).
+void quantize_rows(int64_t M, int64_t K, const uint16_t* x, int8_t* x8, float* a, float* xs) {
+  const int64_t G = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* xp = x + m * K + 32 * g;
+      const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)xp)), 16));
+      const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xp + 16))), 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      a[m * G + g] = amax / 127.0f;
+      xs[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      const __m512 iv = _mm512_set1_ps(inv);
+      _mm_storeu_si128((__m128i*)(x8 + m * K + 32 * g), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))));
+      _mm_storeu_si128((__m128i*)(x8 + m * K + 32 * g + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))));
+    }
+}
+
+// A per-thread buffer for the B tiles of G groups (64-byte aligned, kept across calls).
+uint8_t* b_buffer(int64_t G) {
+  thread_local std::vector<uint8_t> buf;
+  buf.resize(static_cast<size_t>(G * 512) + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+}
+
+template <int MT>
+void quant_block(int64_t K, int64_t N, int64_t b, const int8_t* x8, const float* a, const float* xs, const uint8_t* codes,
+                 const uint16_t* sz, const uint16_t* bias, uint16_t* y, int bits) {
+  const int64_t G = K / 32;
+  // B tiles of every group, unpacked before any tile reads them (a tile load right after the
+  // stores that wrote its data waits for them: measured 3x slower than loads of settled data)
+  // INT8: the B tiles are the codes, read in place; INT4: unpacked here (see b_buffer)
+  const uint8_t* bt = codes + b * G * 512;
+  if (bits == 4) {
+    uint8_t* buf = b_buffer(G);
+    const __m512i m15 = _mm512_set1_epi8(15);
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* c = tile_codes(codes, G, b, g, 4);
+      for (int r = 0; r < 4; ++r) {
+        const __m512i v = _mm512_loadu_si512(c + 64 * r);
+        _mm512_store_si512(buf + g * 512 + 64 * r, _mm512_and_si512(v, m15));
+        _mm512_store_si512(buf + g * 512 + 64 * (r + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
+      }
+    }
+    bt = buf;
+  }
+  alignas(64) int32_t cb[2][16][16];  // C tiles, read one group behind
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  auto issue = [&](int64_t g) {
+    if (g & 1) {
+      _tile_loadd(3, x8 + 32 * g, K);
+      _tile_loadd(4, bt + g * 512, 64);
+      _tile_zero(5);
+      _tile_dpbsud(5, 3, 4);
+      _tile_stored(5, cb[1], 64);
+    } else {
+      _tile_loadd(0, x8 + 32 * g, K);
+      _tile_loadd(1, bt + g * 512, 64);
+      _tile_zero(2);
+      _tile_dpbsud(2, 0, 1);
+      _tile_stored(2, cb[0], 64);
+    }
+  };
+  // group g + 1's tile work is issued before group g's products (stored a group earlier) are scaled
+  issue(0);
+  for (int64_t g = 0; g < G; ++g) {
+    if (g + 1 < G) issue(g + 1);
+    const uint16_t* s = tile_sz(sz, G, b, g);
+    const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16));
+    const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + 16))), 16));
+    for (int m = 0; m < MT; ++m) {
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_load_si512(cb[g & 1][m]));
+      acc[m] = _mm512_fmadd_ps(c, _mm512_mul_ps(sv, _mm512_set1_ps(a[m * G + g])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[m * G + g]), acc[m]);
+    }
+  }
+  const int nn = static_cast<int>(std::min<int64_t>(16, N - 16 * b));
+  const __mmask16 keep = static_cast<__mmask16>(nn >= 16 ? 0xFFFF : (1u << nn) - 1);
+  const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + 16 * b)), 16))
+                         : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv));
+    _mm256_mask_storeu_epi16(y + m * N + 16 * b, keep, r);
+  }
+}
+
+void quant_rows(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const int8_t* x8, const float* a,
+                const float* xs, const uint8_t* codes, const uint16_t* sz, const uint16_t* bias, uint16_t* y, int bits) {
+  for (int64_t b = b0; b < b1; ++b) switch (M) {
+#define PASK_Q_CASE(k) \
+  case k: quant_block<k>(K, N, b, x8, a, xs, codes, sz, bias, y, bits); break;
+      PASK_Q_CASE(1) PASK_Q_CASE(2) PASK_Q_CASE(3) PASK_Q_CASE(4) PASK_Q_CASE(5) PASK_Q_CASE(6)
+      PASK_Q_CASE(7) PASK_Q_CASE(8) PASK_Q_CASE(9) PASK_Q_CASE(10) PASK_Q_CASE(11)
+      PASK_Q_CASE(12) PASK_Q_CASE(13) PASK_Q_CASE(14) PASK_Q_CASE(15)
+      default: quant_block<16>(K, N, b, x8, a, xs, codes, sz, bias, y, bits); break;
+#undef PASK_Q_CASE
+    }
+}
+#endif
+
+// Columns in chunks of NC for the fp32 path. Where x is much larger than L1 (e.g. 8 rows of a
+// 4864-wide MLP input), the reduction runs in slices of 512 so that a slice of x stays in L1 while
+// the chunk's weight rows stream past it; otherwise slicing only breaks the weight stream (measured
+// on a 2-core AMD EPYC: 1.5x faster at 8 rows x 4864, 2x slower at 1 row). The slices keep their
+// accumulators, so the sums do not depend on whether (or how) the reduction was sliced.
+constexpr int64_t NC = 64;
+
+// Columns [n0, n1) of the fp32 path (w points at row n0's weights).
+void fp32_columns(int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, const float* x, const uint16_t* w,
+                  const float* bias, float* y) {
+#if defined(PASK_GEMV_SLICES)
+  const int64_t KB = M * K * 4 > 65536 ? 512 : K;
+  alignas(32) __m256 keep[NC * MAXR * U];  // accumulators of the chunk's columns between slices
+#endif
+  for (int64_t m0 = 0; m0 < M; m0 += MAXR) {
+    const int mt = static_cast<int>(std::min<int64_t>(MAXR, M - m0));
+#if defined(PASK_GEMV_SLICES)
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t kn = std::min(KB, K - k0);
+      for (int64_t n = n0; n < n1; ++n)
+        rows(mt, x + m0 * K + k0, K, kn, w + (n - n0) * K + k0, y + m0 * N + n, N, bias ? bias[n] : 0.0f,
+             keep + (n - n0) * MAXR * U, k0 == 0, k0 + kn >= K);
+    }
+#else
+    for (int64_t n = n0; n < n1; ++n) rows(mt, x + m0 * K, K, K, w + (n - n0) * K, y + m0 * N + n, N, bias ? bias[n] : 0.0f);
+#endif
+  }
+}
 
 }  // namespace
 
@@ -292,14 +544,7 @@ int pask_linear_bf16_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, cons
   const int nt = nthreads > 0 ? nthreads : 1;
 #if defined(PASK_GEMV_AMX)
   if (M <= 16 && K % 32 == 0 && N >= 16 && gemv_amx_wanted() && amx_granted()) {
-    // x^T as VNNI pairs: xt[p][m] = (x[m][2p], x[m][2p + 1]) for every pair p of the K values
-    // (the caller's buffer, kept across calls: no allocation per layer; the team reads it by pointer)
-    thread_local std::vector<uint32_t> buf;
-    buf.resize(static_cast<size_t>(K / 2) * M);
-    uint32_t* xt = buf.data();
-    const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t p = 0; p < K / 2; ++p) xt[p * M + m] = x32[m * (K / 2) + p];
+    const uint32_t* xt = pack_pairs(M, K, x);
     // chunks of 64 weight rows, handed out dynamically: a thread that loses its core for a while
     // (the server's own threads share it) does not hold the whole layer back
     const int64_t blocks = N / 16, tail = blocks * 16, chunks = (blocks + 3) / 4;
@@ -308,16 +553,16 @@ int pask_linear_bf16_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, cons
       tile_config(M);
 #pragma omp for schedule(dynamic, 4)
       for (int64_t c = 0; c < chunks; ++c)
-        tile_rows(M, K, N, 64 * c, std::min(tail, 64 * (c + 1)), xt, w, bias, y);
+        tile_rows(M, K, N, 64 * c, std::min(tail, 64 * (c + 1)), xt, w + 64 * c * K, bias, y);
       _tile_release();
     }
-    if (tail < N) pair_rows_range(M, K, N, tail, N, x, w, bias, y);
+    if (tail < N) pair_rows_range(M, K, N, tail, N, x, w + tail * K, bias, y);
     return 0;
   }
 #endif
   const int64_t chunks = (N + 63) / 64;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
-  for (int64_t c = 0; c < chunks; ++c) pair_rows_range(M, K, N, 64 * c, std::min(N, 64 * (c + 1)), x, w, bias, y);
+  for (int64_t c = 0; c < chunks; ++c) pair_rows_range(M, K, N, 64 * c, std::min(N, 64 * (c + 1)), x, w + 64 * c * K, bias, y);
   return 0;
 #else
   (void)M, (void)K, (void)N, (void)x, (void)w, (void)bias, (void)y, (void)nthreads;
@@ -342,37 +587,100 @@ const char* pask_gemv_isa() {
 int pask_linear_bf16(int64_t M, int64_t K, int64_t N, const float* x, const uint16_t* w, const float* bias, float* y,
                      int nthreads) {
   if (M <= 0 || K <= 0 || N <= 0 || K % 8 != 0) return -1;
-  // Columns in chunks of NC. Where x is much larger than L1 (e.g. 8 rows of a 4864-wide MLP
-  // input), the reduction runs in slices of 512 so that a slice of x stays in L1 while the
-  // chunk's weight rows stream past it; otherwise slicing only breaks the weight stream (measured
-  // on a 2-core AMD EPYC: 1.5x faster at 8 rows x 4864, 2x slower at 1 row). The slices keep their
-  // accumulators, so the sums do not depend on whether (or how) the reduction was sliced.
-  const int64_t NC = 64;
-#if defined(PASK_GEMV_SLICES)
-  const int64_t KB = M * K * 4 > 65536 ? 512 : K;
-#endif
+  const int64_t chunks = (N + NC - 1) / NC;
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+  for (int64_t c = 0; c < chunks; ++c) fp32_columns(M, K, N, c * NC, std::min(N, (c + 1) * NC), x, w + c * NC * K, bias, y);
+  return 0;
+}
+
+// ---- INT4 / INT8 weights (weight-only quantisation, one (scale, zero) per 32 inputs of an output) --
+// The tiled layout above; bits 4 or 8. A weight is bf16(fma(code, scale, zero)) where the bf16
+// kernels run over 64 dequantised rows at a time (a per-thread buffer, L2-resident): bit for bit
+// the bf16 kernel's product over pask_dequant_q's weight, and as batch-invariant.
+
+// bf16 rows [n0, n1) of a tiled weight (n0 % 16 == 0) into out [n1 - n0, K].
+int pask_dequant_q(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, const uint16_t* sz, uint16_t* out, int bits,
+                   int nthreads) {
+  if (K <= 0 || K % 32 != 0 || n0 < 0 || n0 % 16 != 0 || n1 < n0 || (bits != 4 && bits != 8)) return -1;
+  const int64_t chunks = (n1 - n0 + 63) / 64;
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t a = n0 + 64 * c;
+    dequant_tiled(K, a, std::min(n1, a + 64), codes, sz, out + (a - n0) * K, bits);
+  }
+  return 0;
+}
+
+// y = x W^T + b, fp32 x / b / y (pask_linear_bf16's arithmetic) over a tiled weight of N outputs; K % 32 == 0.
+int pask_linear_q(int64_t M, int64_t K, int64_t N, const float* x, const uint8_t* codes, const uint16_t* sz,
+                  const float* bias, float* y, int bits, int nthreads) {
+  if (M <= 0 || K <= 0 || N <= 0 || K % 32 != 0 || (bits != 4 && bits != 8)) return -1;
   const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n1 = std::min(N, (c + 1) * NC);
-#if defined(PASK_GEMV_SLICES)
-    alignas(32) __m256 keep[NC * MAXR * U];  // accumulators of the chunk's columns between slices
-#endif
-    for (int64_t m0 = 0; m0 < M; m0 += MAXR) {
-      const int mt = static_cast<int>(std::min<int64_t>(MAXR, M - m0));
-#if defined(PASK_GEMV_SLICES)
-      for (int64_t k0 = 0; k0 < K; k0 += KB) {
-        const int64_t kn = std::min(KB, K - k0);
-        for (int64_t n = c * NC; n < n1; ++n)
-          rows(mt, x + m0 * K + k0, K, kn, w + n * K + k0, y + m0 * N + n, N, bias ? bias[n] : 0.0f,
-               keep + (n - c * NC) * MAXR * U, k0 == 0, k0 + kn >= K);
-      }
-#else
-      for (int64_t n = c * NC; n < n1; ++n) rows(mt, x + m0 * K, K, K, w + n * K, y + m0 * N + n, N, bias ? bias[n] : 0.0f);
-#endif
-    }
+    const int64_t n0 = c * NC, n1 = std::min(N, n0 + NC);
+    uint16_t* wb = row_buffer(NC, K);
+    dequant_tiled(K, n0, n1, codes, sz, wb, bits);
+    fp32_columns(M, K, N, n0, n1, x, wb, bias, y);
   }
   return 0;
+}
+
+// y = x W^T + b, all bf16, over a tiled weight of N outputs; K % 32 == 0. With AMX-INT8 tiles and
+// M <= 16: the tile kernel above (x quantised to int8 per group of 32); otherwise the bf16 kernels
+// over 64 dequantised rows at a time (pask_linear_bf16_io's arithmetic). Returns -1 without an
+// AVX512-BF16 build (nothing written).
+int pask_linear_q_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const uint8_t* codes, const uint16_t* sz,
+                     const uint16_t* bias, uint16_t* y, int bits, int nthreads) {
+#if defined(PASK_GEMV_BF16)
+  if (M <= 0 || K <= 0 || N <= 0 || K % 32 != 0 || (bits != 4 && bits != 8)) return -1;
+  const int nt = nthreads > 0 ? nthreads : 1;
+#if defined(PASK_QUANT_AMX)
+  if (M <= 16 && gemv_amx_wanted() && amx_granted()) {
+    const int64_t G = K / 32;
+    thread_local std::vector<int8_t> x8;
+    thread_local std::vector<float> av, xsv;
+    x8.resize(static_cast<size_t>(M * K));
+    av.resize(static_cast<size_t>(M * G));
+    xsv.resize(static_cast<size_t>(M * G));
+    quantize_rows(M, K, x, x8.data(), av.data(), xsv.data());
+    const int8_t* xq = x8.data();
+    const float *ap = av.data(), *xp = xsv.data();
+    const int64_t blocks = (N + 15) / 16, chunks = (blocks + 3) / 4;
+#pragma omp parallel num_threads(nt)
+    {
+      quant_tile_config(M);
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t c = 0; c < chunks; ++c)
+        quant_rows(M, K, N, 4 * c, std::min(blocks, 4 * (c + 1)), xq, ap, xp, codes, sz, bias, y, bits);
+      _tile_release();
+    }
+    return 0;
+  }
+#endif
+  const int64_t chunks = (N + 63) / 64;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = 64 * c, n1 = std::min(N, 64 * (c + 1));
+    uint16_t* wb = row_buffer(64, K);
+    dequant_tiled(K, n0, n1, codes, sz, wb, bits);
+    pair_rows_range(M, K, N, n0, n1, x, wb, bias, y);
+  }
+  return 0;
+#else
+  (void)M, (void)K, (void)N, (void)x, (void)codes, (void)sz, (void)bias, (void)y, (void)bits, (void)nthreads;
+  return -1;
+#endif
+}
+
+// Whether pask_linear_q_io runs the AMX-INT8 kernel for decode rows here (1) or the bf16 kernels
+// over dequantised rows (0).
+int pask_q_amx() {
+#if defined(PASK_QUANT_AMX)
+  return gemv_amx_wanted() && amx_granted() ? 1 : 0;
+#else
+  return 0;
+#endif
 }
 
 }  // extern "C"

@@ -20,6 +20,7 @@ rows and up to 8 input rows at a time.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from pathlib import Path
 
 import torch
@@ -48,6 +49,13 @@ def _probe() -> str:
     g.restype = ctypes.c_int
     lib.pask_gemv_use_amx.argtypes = [ctypes.c_int]
     lib.pask_gemv_use_amx.restype = ctypes.c_int
+    for name in ("pask_linear_q", "pask_linear_q_io"):
+        h = getattr(lib, name)
+        h.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2
+        h.restype = ctypes.c_int
+    lib.pask_dequant_q.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.pask_dequant_q.restype = ctypes.c_int
+    lib.pask_q_amx.restype = ctypes.c_int
     _LIB = lib
     gen = torch.Generator().manual_seed(0)
     for m, k, n, bias in ((1, 64, 40, False), (3, 136, 17, True), (8, 256, 33, True), (11, 64, 5, False)):
@@ -69,6 +77,16 @@ def _probe() -> str:
             if not torch.allclose(got, want, rtol=2**-7, atol=1e-3):
                 _LIB = None
                 return f"probe mismatch, bf16 path (max abs error {float((got - want).abs().max()):.2e})"
+    from pask.cpu.weights import quantize  # INT4 / INT8 weights: within int8 activations' error (AMX) of F.linear
+
+    for (m, k, n), bits in itertools.product(((1, 64, 40), (9, 96, 17)), (4, 8)):
+        codes, sz = quantize(torch.randn(n, k, generator=gen), bits)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        want = F.linear(x.float(), dequant(codes, sz, n, bits).float())
+        got = linear_quant(x, codes, sz, n, bits).float()
+        if not torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max())):
+            _LIB = None
+            return f"probe mismatch, int{bits} path (max abs error {float((got - want).abs().max()):.2e})"
     return "ok"
 
 
@@ -151,3 +169,52 @@ def use_amx(on: bool) -> bool:
     """Turn the AMX tiles of :func:`linear_bf16` on or off (on by default where the CPU and OS allow;
     ``PASK_AMX=0`` starts with them off); returns whether they are on now."""
     return has_bf16_io() and bool(_LIB.pask_gemv_use_amx(int(on)))
+
+
+def dequant(codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """bf16 weight ``[n, K]`` of a tiled INT4 / INT8 weight (:func:`pask.cpu.weights.quantize`):
+    ``fma(code, scale, zero)`` rounded to nearest even."""
+    if _LIB is None and not available():
+        raise RuntimeError(f"pask native gemv is {status()}")
+    k = codes.shape[1] * 32
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    rc = _LIB.pask_dequant_q(k, 0, n, codes.data_ptr(), sz.data_ptr(), out.data_ptr(), bits, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"native dequantisation rejected the shape ({n} x {k}, {bits} bits)")
+    return out
+
+
+def quant_amx() -> bool:
+    """Whether :func:`linear_quant` runs decode rows on AMX-INT8 tiles here (int8 activations per
+    group of 32) rather than the bf16 kernels over dequantised rows."""
+    return available() and _LIB is not None and bool(_LIB.pask_q_amx())
+
+
+def linear_quant(
+    x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` on bf16 ``x [..., K]`` over a tiled INT4 / INT8 weight of ``n`` outputs -> bf16
+    ``[..., n]``: on AMX-INT8 tiles (decode rows: :func:`quant_amx`), else :func:`linear_bf16`'s
+    arithmetic where :func:`has_bf16_io`, else :func:`linear`'s fp32 one rounded to bf16, over
+    :func:`dequant`'s weight."""
+    if _LIB is None and not available():
+        raise RuntimeError(f"pask native gemv is {status()}")
+    k = codes.shape[1] * 32
+    rows = x.reshape(-1, k)
+    if _LIB.pask_gemv_has_bf16_io():
+        xb = rows.to(torch.bfloat16).contiguous()
+        b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
+        fn = _LIB.pask_linear_q_io
+    else:
+        xb = rows.float().contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        y = torch.empty(xb.shape[0], n, dtype=torch.float32)
+        fn = _LIB.pask_linear_q
+    rc = fn(
+        xb.shape[0], k, n, xb.data_ptr(), codes.data_ptr(), sz.data_ptr(), None if b is None else b.data_ptr(),
+        y.data_ptr(), bits, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native quantised linear rejected the shape ({xb.shape[0]} x {k} x {n}, {bits} bits)")
+    return y.to(torch.bfloat16).reshape(*x.shape[:-1], n)

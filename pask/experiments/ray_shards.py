@@ -61,7 +61,7 @@ def run_shard(cell: Cell, task: TaskSpec, case_ids: list[str], shard_dir: str) -
     """
     TASKS.setdefault(task.name, task)
     set_threads(cell.threads)
-    lm = default_loader(cell.model, cell.dtype)
+    lm = default_loader(cell.model, cell.dtype, cell.weights)
     wanted = set(case_ids)
     cases = [c for c in cell.load_cases() if c.id in wanted]
     run_cases(cell, lm, cases, Path(shard_dir))

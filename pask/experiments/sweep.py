@@ -4,6 +4,7 @@ Config file (``tomllib``; relative paths are relative to the config file)::
 
     results_dir = "results/paper"
     dtype = "bf16"                 # bf16 | fp32
+    weights = "bf16"               # bf16 | int8 | int4: the linear layers' format (pask.cpu.weights)
     threads = 2                    # torch threads per process (per Ray task)
     models = ["qwen2.5-coder-0.5b"]
     tasks = ["bfcl"]
@@ -113,8 +114,9 @@ ABLATIONS = {
 #: ``fetch-pask``'s is a table fitted to the hot budget KVFetch leaves it (docs/kvfetch.md).
 OWN_TABLES = ("pask-3a", "pask-k4v2", "fetch-pask")
 DTYPES = ("bf16", "fp32")
+WEIGHT_FORMATS = ("bf16", "int8", "int4")  # pask.cpu.weights.FORMATS
 _PRODUCT_KEYS = ("models", "tasks", "splits", "policies", "budgets")
-_TOP_KEYS = {"results_dir", "dtype", "threads", "grid", *_PRODUCT_KEYS}
+_TOP_KEYS = {"results_dir", "dtype", "weights", "threads", "grid", *_PRODUCT_KEYS}
 
 Progress = Callable[[int, int, str], None]  # (cases completed, cases in the sweep, current cell)
 
@@ -281,6 +283,7 @@ class Cell:
     table: str | None = None  # PASK table file
     threads: int | None = None
     variant: str | None = None  # ``<policy>~<variant>``: the policy with the variant's own options
+    weights: str = "bf16"  # the linear layers' format (pask.cpu.weights)
 
     @property
     def method(self) -> str:
@@ -313,6 +316,7 @@ class Cell:
             "policy_config": self.policy_config,
             "table_sha256": file_sha256(Path(self.table)) if self.table else None,
             **({"variant": self.variant} if self.variant else {}),
+            **({"weights": self.weights} if self.weights != "bf16" else {}),
         }
 
     def config_hash(self) -> str:
@@ -323,6 +327,7 @@ class Cell:
             "model": self.model,
             "policy": self.policy,
             **({"variant": self.variant} if self.variant else {}),
+            **({"weights": self.weights} if self.weights != "bf16" else {}),
             "budget": self.budget,
             "split": self.split,
             "task": self.task,
@@ -537,6 +542,9 @@ def parse_config(
     dtype = data.get("dtype", "bf16")
     if dtype not in DTYPES:
         raise PaskError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+    weights = data.get("weights", "bf16")
+    if weights not in WEIGHT_FORMATS:
+        raise PaskError(f"unknown weights '{weights}'; choose one of {', '.join(WEIGHT_FORMATS)}")
     top_threads = _threads(threads if threads is not None else data.get("threads"), "config")
     grids = data.get("grid", [])
     if not isinstance(grids, list) or not all(isinstance(g, dict) for g in grids):
@@ -570,7 +578,7 @@ def parse_config(
                 if variant:
                     names += [p, f"{p}@{b:g}"]
                 pc = {k: v for n in names for k, v in pcfg.get(n, {}).items()}
-                cell = Cell(m, t, s, name, b, dtype, dict(opts), pc, variant=variant)
+                cell = Cell(m, t, s, name, b, dtype, dict(opts), pc, variant=variant, weights=weights)
                 # --threads beats the task's threads, which beat the top-level threads
                 cell.threads = top_threads if threads is not None else (t_threads or top_threads)
                 if name in ABLATIONS:
@@ -972,10 +980,10 @@ def torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
-def default_loader(model: str, dtype: str):
+def default_loader(model: str, dtype: str, weights: str = "bf16"):
     from pask.runtime.models import load_model
 
-    return load_model(model, dtype=torch_dtype(dtype))
+    return load_model(model, dtype=torch_dtype(dtype), weights=weights)
 
 
 # -- the sweep ------------------------------------------------------------------------------------
@@ -1112,9 +1120,9 @@ def _say(line: str) -> None:
 def _run_cells_local(plans, config, version, tracker, cell_done, load) -> None:
     todo = [p for p in plans if p.state != "done"]
     set_threads(config.threads)
-    for model in dict.fromkeys(p.cell.model for p in todo):
-        lm = load(model, config.dtype)
-        for p in [p for p in todo if p.cell.model == model]:
+    for model, weights in dict.fromkeys((p.cell.model, p.cell.weights) for p in todo):
+        lm = load(model, config.dtype) if weights == "bf16" else load(model, config.dtype, weights)
+        for p in [p for p in todo if (p.cell.model, p.cell.weights) == (model, weights)]:
             set_threads(p.cell.threads)
             man = start_cell(p, version, "local")
             before = man["runs"][-1]["cases_before"]

@@ -403,10 +403,12 @@ def resolve_model_dir(name_or_path: str) -> tuple[str, str]:
     raise PaskError(f"unknown model '{name_or_path}': not an embedded model ({known}), a local directory or a hub id")
 
 
-def _fingerprint(model: torch.nn.Module, path: str | None) -> str:
-    """Architecture + weights hash (the converted cache's recorded hash where ``path`` has one)."""
+def _fingerprint(model: torch.nn.Module, path: str | None, weights: str = "bf16") -> str:
+    """Architecture + weights hash (the converted cache's recorded hash where ``path`` has one); a
+    weight format other than bf16 is part of the architecture (``...-int4``)."""
     cfg = model.config
     arch = f"{cfg.model_type}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}"
+    arch += "" if weights == "bf16" else f"-{weights}"
     ready = Path(path) / READY if path else None
     if ready is not None and ready.exists():
         wh = ready.read_text().strip()[:16]
@@ -451,14 +453,21 @@ def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.bfloat16,
     attn_implementation: str = "sdpa",
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load a model and tokenizer by embedded name, local directory or hub id (in its own thread:
-    see :func:`in_own_thread`)."""
-    return in_own_thread(lambda: _load_model(name_or_path, dtype, attn_implementation))
+    see :func:`in_own_thread`). ``weights``: the linear layers' format (:mod:`pask.cpu.weights`:
+    ``bf16``, ``int8`` or ``int4``; None: ``PASK_WEIGHTS``, default ``bf16``)."""
+    from pask.cpu import weights as wfmt
+
+    fmt = wfmt.configured(weights)
+    return in_own_thread(lambda: _load_model(name_or_path, dtype, attn_implementation, fmt))
 
 
-def _load_model(name_or_path: str, dtype: torch.dtype, attn_implementation: str) -> LoadedModel:
+def _load_model(name_or_path: str, dtype: torch.dtype, attn_implementation: str, weights: str = "bf16") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pask.cpu import weights as wfmt
 
     path, display = resolve_model_dir(name_or_path)
     t0 = time.perf_counter()
@@ -475,5 +484,6 @@ def _load_model(name_or_path: str, dtype: torch.dtype, attn_implementation: str)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.pask_load_seconds = time.perf_counter() - t0
-    model._pask_fingerprint = _fingerprint(model, path)  # read by the prefill store
+    model.pask_weights = wfmt.apply(model, weights)  # quantised linears (int8 / int4)
+    model._pask_fingerprint = _fingerprint(model, path, weights)  # read by the prefill store
     return LoadedModel(name=display, model=model, tokenizer=tok, fingerprint=model._pask_fingerprint)

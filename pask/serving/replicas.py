@@ -68,15 +68,16 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, _DTYPES[name])
 
 
-def serving_model(model: str, dtype: torch.dtype) -> LoadedModel:
+def serving_model(model: str, dtype: torch.dtype, weights: str | None = None) -> LoadedModel:
     """The model as the server runs it: decode GEMVs on the native bf16 kernel where
-    :func:`pask.cpu.bf16_matmul.serving_mode` says so."""
+    :func:`pask.cpu.bf16_matmul.serving_mode` says so; ``weights``: the linear layers' format
+    (:mod:`pask.cpu.weights`)."""
     import gc
 
     from pask.cpu import bf16_matmul
     from pask.runtime.models import load_model
 
-    lm = load_model(model, dtype=dtype)
+    lm = load_model(model, dtype=dtype, weights=weights)
     lm.model.pask_bf16_gemv_linears = bf16_matmul.apply_gemv(lm.model, bf16_matmul.serving_mode())
     gc.collect()
     gc.freeze()  # the model's objects leave the collector's generations: no full collection walks them mid-step
@@ -124,6 +125,7 @@ class ReplicaSpec:
 
     model: str
     dtype: str = "bf16"
+    weights: str | None = None
     policy: str = "full"
     budget: float | None = None
     policy_config: str | None = None
@@ -139,6 +141,9 @@ class ReplicaSpec:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise PaskError(f"unknown dtype '{self.dtype}'; choose bf16 or fp32")
+        from pask.cpu.weights import configured
+
+        self.weights = configured(self.weights)  # the driver's $PASK_WEIGHTS travels in the spec
         for name, value in (("--capacity-tokens", self.capacity_tokens), ("--max-batch", self.max_batch)):
             if value is not None and value < 1:
                 raise PaskError(f"{name} must be >= 1, got {value}")
@@ -228,7 +233,7 @@ class Replica:
             os.environ[ENV] = spec.prefill_store
         self.id = serve.get_replica_context().replica_tag
         self.app_name = app_name
-        lm = serving_model(spec.model, torch_dtype(spec.dtype))
+        lm = serving_model(spec.model, torch_dtype(spec.dtype), spec.weights)
         factory = serving_policy_factory(
             spec.policy, spec.budget, spec.policy_config, spec.table, lm.fingerprint, spec.allow_transfer
         )
