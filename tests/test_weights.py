@@ -250,3 +250,44 @@ def test_sweep_weights_key(tmp_path):
     assert a.config_hash() != b.config_hash() and b.meta()["weights"] == "int4"
     with pytest.raises(PaskError, match="unknown weights"):
         load_config(tmp_path / "c.toml")
+
+
+def test_masked_head_over_a_quantised_head(gemv, smol):
+    """The masked LM head gathers a quantised head's rows dequantised to bf16 (as its prefill path)."""
+    import copy
+
+    from pask.runtime.masked_head import MaskedHead
+
+    q = copy.deepcopy(smol.model).bfloat16()
+    W.apply(q, "int4")
+    lin = q.get_output_embeddings()
+    head = MaskedHead(q)
+    try:
+        x = torch.randn(2, 1, lin.in_features).bfloat16()
+        idx = torch.tensor([3, 17, 40, 1000, lin.out_features - 1])
+        head.plan = [idx, None]
+        out = lin(x)
+        w = ng.dequant(lin.codes, lin.sz, lin.out_features, lin.bits).float()
+        assert torch.equal(out[0, 0, idx], (w[idx] @ x[0, 0].float()).bfloat16())
+        assert torch.isinf(out[0, 0]).sum() == lin.out_features - idx.numel()
+        assert torch.equal(out[1], lin(x[1:]).reshape(1, -1))  # a wide row: the head itself
+    finally:
+        head.close()
+
+
+def test_constrained_generation_with_quantised_weights(gemv, smol):
+    """The engine (grammar masks planned on the head, the masked head, the cache) runs on an INT4
+    model, and its calls parse."""
+    import copy
+    import dataclasses
+
+    from pask.evaluation.run_bfcl import prepare
+    from pask.runtime.engine import generate
+    from pask.tasks.function_calling import load_cases
+
+    q = copy.deepcopy(smol.model).bfloat16()
+    W.apply(q, "int4")
+    lm = dataclasses.replace(smol, model=q)
+    cases = load_cases(["simple"], split="test", limit=2)
+    gens = generate(lm, [prepare(lm, c, 24)[0] for c in cases])
+    assert all(g.token_ids for g in gens)

@@ -60,6 +60,8 @@ def _kv_dim(model) -> int:
 def own_projection(layer) -> torch.Tensor:
     """A layer's own affine map from its normed input to [keys, values]: ``[hidden + 1, 2 kv_dim]``."""
     att = layer.self_attn
+    if not isinstance(att.k_proj, torch.nn.Linear) or not isinstance(att.v_proj, torch.nn.Linear):
+        raise PaskError("BellowsKV's projections are fitted on bf16 weights: load the model with --weights bf16")
     with torch.no_grad():
         w = torch.cat([att.k_proj.weight, att.v_proj.weight], dim=0).T.float()
         kb = att.k_proj.bias if att.k_proj.bias is not None else torch.zeros(att.k_proj.out_features)

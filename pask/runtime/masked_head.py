@@ -49,8 +49,10 @@ class MaskedHead:
     """The output embedding of ``model`` computing only planned logits (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from pask.cpu.weights import QuantLinear
+
         head = model.get_output_embeddings()
-        if not isinstance(head, torch.nn.Linear):
+        if not isinstance(head, torch.nn.Linear | QuantLinear):
             raise TypeError(f"masked head needs an nn.Linear output embedding, got {type(head).__name__}")
         self.head, self.model = head, model
         self._had_own = "forward" in head.__dict__
@@ -82,16 +84,14 @@ class MaskedHead:
         if len(wide) == len(plan):
             self.full_rows += len(wide)
             return self._orig(x)
-        w = self.head.weight
-        out = torch.full((x.shape[0], 1, w.shape[0]), -torch.inf, dtype=x.dtype)
+        out = torch.full((x.shape[0], 1, self.head.out_features), -torch.inf, dtype=x.dtype)
         if wide:
             out[wide] = self._orig(x[wide])
-        w32 = self.head._buffers.get("pask_weight_fp32")
         bias = self.head.bias
         for i, idx in enumerate(plan):
             if idx is None or idx.numel() == 0:
                 continue
-            rows = (w32 if w32 is not None else w)[idx].float()
+            rows = self._rows(idx)
             logits = rows @ x[i, 0].float()
             if bias is not None:
                 logits = logits + bias[idx].float()
@@ -99,3 +99,19 @@ class MaskedHead:
         self.narrow_rows += len(plan) - len(wide)
         self.full_rows += len(wide)
         return out
+
+    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The fp32 rows ``idx`` of the head's weight (a quantised head: dequantised to bf16 first, as
+        its prefill path does, block of 16 outputs by block)."""
+        head = self.head
+        if isinstance(head, torch.nn.Linear):
+            w32 = head._buffers.get("pask_weight_fp32")
+            return (w32 if w32 is not None else head.weight)[idx].float()
+        from pask.cpu import native_gemv
+
+        blocks = torch.unique(idx // 16)
+        deq = torch.cat(
+            [native_gemv.dequant(head.codes[b : b + 1], head.sz[b : b + 1], 16, head.bits) for b in blocks.tolist()]
+        )
+        pos = torch.searchsorted(blocks, idx // 16) * 16 + idx % 16
+        return deq[pos].float()

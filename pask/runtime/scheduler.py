@@ -436,7 +436,7 @@ class Scheduler:
 
     def _plan_head(self, jobs: list[Job]) -> None:
         """Compute each constrained job's next mask now (:func:`pask.runtime.tokens.plan_head`); keep it for step 3."""
-        vocab = self.head.head.weight.shape[0]
+        vocab = self.head.head.out_features
         bitmask = allocate_mask(len(jobs), vocab)
         failed = plan_head(self.head, [j.request for j in jobs], [True] * len(jobs), bitmask, vocab)
         for i, e in failed.items():
