@@ -291,3 +291,13 @@ def test_constrained_generation_with_quantised_weights(gemv, smol):
     cases = load_cases(["simple"], split="test", limit=2)
     gens = generate(lm, [prepare(lm, c, 24)[0] for c in cases])
     assert all(g.token_ids for g in gens)
+
+
+def test_bellows_fitting_refuses_quantised_projections(gemv):
+    from types import SimpleNamespace
+
+    from pask.calibration.bellows import own_projection
+
+    att = SimpleNamespace(k_proj=W.QuantLinear.from_linear(torch.nn.Linear(32, 16), 4), v_proj=torch.nn.Linear(32, 16))
+    with pytest.raises(PaskError, match="bf16 weights"):
+        own_projection(SimpleNamespace(self_attn=att))
