@@ -301,3 +301,23 @@ def test_bellows_fitting_refuses_quantised_projections(gemv):
     att = SimpleNamespace(k_proj=W.QuantLinear.from_linear(torch.nn.Linear(32, 16), 4), v_proj=torch.nn.Linear(32, 16))
     with pytest.raises(PaskError, match="bf16 weights"):
         own_projection(SimpleNamespace(self_attn=att))
+
+
+def test_serving_an_int8_model(gemv, smol):
+    """The server's loop (continuous batching, masks on the head, the masked head) on an INT8 model;
+    the bandwidth model counts the bytes of the quantised linears."""
+    import copy
+    import dataclasses
+
+    from pask.bench.serving import BenchConfig, bench_serve
+    from pask.policies import FullPolicy
+
+    q = copy.deepcopy(smol.model).bfloat16()
+    W.apply(q, "int8")
+    q.pask_weights = {"weights": "int8", "layers": 1}
+    lm = dataclasses.replace(smol, model=q)
+    cfg = BenchConfig(concurrency=2, input_len=300, output_len=4, requests_per_client=1)
+    result = bench_serve(lm, {"full": FullPolicy}, cfg)
+    (full,) = result["policies"]
+    assert full["requests"] == 2 and full["errors_5xx"] == full["errors_other"] == 0 and full["completion_tokens"] > 0
+    assert "INT8" in result["decode_linears"]
