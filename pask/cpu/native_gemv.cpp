@@ -309,47 +309,53 @@ void dequant_tiled(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, cons
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* c = tile_codes(codes, G, b, g, bits);
       const uint16_t* s = tile_sz(sz, G, b, g);
-      alignas(64) float w[16][32];  // [output][input in the group]
-#if defined(__AVX512F__)
-      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16));
-      const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + 16))), 16));
-      __m512 sl[4], zl[4];  // lane 4 u + i of chunk q: output 4 q + u
-      for (int q = 0; q < 4; ++q) {
-        const __m512i lane_out = _mm512_add_epi32(
-            _mm512_set1_epi32(4 * q), _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
-        sl[q] = _mm512_permutexvar_ps(lane_out, sv);
-        zl[q] = _mm512_permutexvar_ps(lane_out, zv);
-      }
-      for (int r = 0; r < 8; ++r)
-        for (int q = 0; q < 4; ++q) {
-          __m512i by;
-          if (bits == 8) {
-            by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 64 * r + 16 * q)));
-          } else {
-            by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 64 * (r & 3) + 16 * q)));
-            by = r < 4 ? _mm512_and_si512(by, _mm512_set1_epi32(15)) : _mm512_srli_epi32(by, 4);
-          }
-          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(by), sl[q], zl[q]);
-          _mm_store_ps(&w[4 * q][4 * r], _mm512_extractf32x4_ps(v, 0));
-          _mm_store_ps(&w[4 * q + 1][4 * r], _mm512_extractf32x4_ps(v, 1));
-          _mm_store_ps(&w[4 * q + 2][4 * r], _mm512_extractf32x4_ps(v, 2));
-          _mm_store_ps(&w[4 * q + 3][4 * r], _mm512_extractf32x4_ps(v, 3));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      // the block-group's eight tile rows (16 outputs x 4 codes each, as dwords) transposed to 16
+      // outputs x 8 dwords: output n's 32 codes in input order, then fma and one bf16 rounding
+      __m512i R[8];
+      if (bits == 8) {
+        for (int r = 0; r < 8; ++r) R[r] = _mm512_loadu_si512(c + 64 * r);
+      } else {
+        const __m512i m15 = _mm512_set1_epi8(15);
+        for (int r = 0; r < 4; ++r) {
+          const __m512i v = _mm512_loadu_si512(c + 64 * r);
+          R[r] = _mm512_and_si512(v, m15);
+          R[r + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
         }
+      }
+      __m512i lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) {
+        lo[j] = _mm512_unpacklo_epi32(R[2 * j], R[2 * j + 1]);
+        hi[j] = _mm512_unpackhi_epi32(R[2 * j], R[2 * j + 1]);
+      }
+      const __m512i A[4] = {_mm512_unpacklo_epi64(lo[0], lo[1]), _mm512_unpackhi_epi64(lo[0], lo[1]),
+                            _mm512_unpacklo_epi64(hi[0], hi[1]), _mm512_unpackhi_epi64(hi[0], hi[1])};
+      const __m512i B[4] = {_mm512_unpacklo_epi64(lo[2], lo[3]), _mm512_unpackhi_epi64(lo[2], lo[3]),
+                            _mm512_unpacklo_epi64(hi[2], hi[3]), _mm512_unpackhi_epi64(hi[2], hi[3])};
+      alignas(64) __m128i a4[4][4], b4[4][4];  // [t][lane]: rows 0-3 / 4-7 of output 4 lane + t
+      for (int t = 0; t < 4; ++t) {
+        _mm512_store_si512(a4[t], A[t]);
+        _mm512_store_si512(b4[t], B[t]);
+      }
+      for (int n = 0; n < nn; ++n) {
+        const int t = n & 3, lane = n >> 2;
+        const __m512 sc = _mm512_set1_ps(bf2f(s[n])), ze = _mm512_set1_ps(bf2f(s[16 + n]));
+        const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(a4[t][lane])), sc, ze);
+        const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b4[t][lane])), sc, ze);
+        _mm512_storeu_si512(out + (b * 16 + n - n0) * K + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+      }
 #else
+      alignas(64) float w[16][32];  // [output][input in the group]
       for (int n = 0; n < 16; ++n) {
         const float scale = bf2f(s[n]), zero = bf2f(s[16 + n]);
         for (int r = 0; r < 8; ++r)
           for (int i = 0; i < 4; ++i) w[n][4 * r + i] = std::fma(static_cast<float>(tile_code(c, bits, n, r, i)), scale, zero);
       }
-#endif
       for (int n = 0; n < nn; ++n) {
         uint16_t* o = out + (b * 16 + n - n0) * K + 32 * g;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-        _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(w[n] + 16), _mm512_load_ps(w[n])));
-#else
         for (int k = 0; k < 32; ++k) o[k] = bf16_rne(w[n][k]);
-#endif
       }
+#endif
     }
   }
 }
