@@ -192,6 +192,9 @@ def test_quant_linear_module_decode_and_prefill_paths(gemv, rows, bits, monkeypa
     monkeypatch.setattr(W, "PREFILL_ROWS", 16)  # a head dequantised in pieces gives the same rows
     if 2 * rows > ng.MAX_ROWS:
         assert torch.equal(q(x), y)
+    other = W.QuantLinear.from_linear(torch.nn.Linear(96, 40).bfloat16(), bits)
+    other(x)  # another layer through the same prefill scratch first
+    assert torch.equal(q(x), y)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])

@@ -171,13 +171,16 @@ def use_amx(on: bool) -> bool:
     return has_bf16_io() and bool(_LIB.pask_gemv_use_amx(int(on)))
 
 
-def dequant(codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+def dequant(codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 weight ``[n, K]`` of a tiled INT4 / INT8 weight (:func:`pask.cpu.weights.quantize`):
-    ``fma(code, scale, zero)`` rounded to nearest even."""
+    ``fma(code, scale, zero)`` rounded to nearest even (into ``out``, a contiguous bf16 ``[n, K]``, if given)."""
     if _LIB is None and not available():
         raise RuntimeError(f"pask native gemv is {status()}")
     k = codes.shape[1] * 32
-    out = torch.empty(n, k, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+    elif out.shape != (n, k) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise RuntimeError(f"dequant: out must be a contiguous bf16 [{n}, {k}] tensor")
     rc = _LIB.pask_dequant_q(k, 0, n, codes.data_ptr(), sz.data_ptr(), out.data_ptr(), bits, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"native dequantisation rejected the shape ({n} x {k}, {bits} bits)")

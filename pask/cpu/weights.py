@@ -25,6 +25,7 @@ model's fingerprint (the prefill store keeps the formats apart) and of a sweep c
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -140,13 +141,28 @@ class QuantLinear(torch.nn.Module):
         outs = []
         for n0 in range(0, self.out_features, PREFILL_ROWS):  # a large head: bounded scratch per call
             n1 = min(self.out_features, n0 + PREFILL_ROWS)
-            w = native_gemv.dequant(self.codes[n0 // 16 :], self.sz[n0 // 16 :], n1 - n0, self.bits)
+            w = native_gemv.dequant(
+                self.codes[n0 // 16 :], self.sz[n0 // 16 :], n1 - n0, self.bits, _scratch(n1 - n0, self.in_features)
+            )
             b = None if self.bias is None else self.bias[n0:n1]
             if x.dtype == torch.bfloat16 and bf16_matmul.cpu_has_bf16():
                 outs.append(bf16_matmul.bounded_linear(x, w, b))
             else:
                 outs.append(F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(rows: int, cols: int) -> torch.Tensor:
+    """A bf16 ``[rows, cols]`` buffer for a prefill's dequantised weight, kept per thread and grown to
+    the largest seen: a prefill then writes its weights into memory it already owns (a fresh
+    allocation per layer faulted in up to a gigabyte of pages per prefill)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        buf = _SCRATCH.buf = torch.empty(rows * cols, dtype=torch.bfloat16)
+    return buf[: rows * cols].view(rows, cols)
 
 
 def apply(model: torch.nn.Module, weights: str | None = None) -> dict:
