@@ -475,6 +475,7 @@ def test_bench_serve_smoke(smol, tmp_path):
     assert 1.0 < snap["bandwidth_limit"] < 1.2
     js, md = write(result, tmp_path / "serving")
     assert json.loads(js.read_text())["model"] == "smollm2-135m" and "| snapkv |" in md.read_text()
+    assert "gain share (TPOT)" in md.read_text() and "weights a step reads" in md.read_text()
     with pytest.raises(PaskError, match="at least one policy"):
         bench_serve(smol, {}, cfg)
 

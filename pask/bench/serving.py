@@ -916,14 +916,18 @@ def markdown(result: dict) -> str:
     """Tables 13/14 layout: one row per policy, relative to Full KV in the same run."""
     cfg = result["config"]
     cap = cfg["capacity_tokens"] or "unlimited"
+    linears = f"; decode linears: {result['decode_linears']}" if result.get("decode_linears") else ""
+    wbytes = f"; weights a step reads: {result['weight_bytes'] / 1e6:.0f} MB" if result.get("weight_bytes") else ""
     head = (
         f"Serving, {result['model']}, c = {cfg['concurrency']}, input {cfg['input_len']}, output {cfg['output_len']}, "
-        f"KV capacity {cap} tokens; prefills {result.get('prefills', 'computed')}"
-        f"{'; decode linears: ' + result['decode_linears'] if result.get('decode_linears') else ''}\n\n"
+        f"KV capacity {cap} tokens; prefills {result.get('prefills', 'computed')}{linears}{wbytes}"
+        "\n\nGain share: (speed-up - 1) / (limit - 1), the part of the bandwidth model's gain above 1x reached "
+        "(the limit from the bytes a step reads: weights, KV held).\n\n"
         "| policy | B (avg) | TPOT ms | TPOT speed-up | step ms | step speed-up | step ms at batch c (steps) "
-        "| x Full | bandwidth limit | throughput tok/s | x Full | tokens out | requests/s | x Full "
-        "| prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx | malformed |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| x Full | bandwidth limit | gain share (TPOT) | gain share (step) | throughput tok/s | x Full | tokens out "
+        "| requests/s | x Full | prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx "
+        "| malformed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
 
     def f(x, fmt: str) -> str:
@@ -931,6 +935,9 @@ def markdown(result: dict) -> str:
 
     def fx(x) -> str:  # a ratio
         return "-" if x is None else f"{x:.2f}x"
+
+    def pct(x) -> str:  # a share
+        return "-" if x is None else f"{100 * x:.0f} %"
 
     lines = [head]
     for r in result["policies"]:
@@ -944,6 +951,8 @@ def markdown(result: dict) -> str:
             f"{f(r.get('step_ms_at_c'), '.1f')} ({r.get('steps_at_c', 0)})",
             fx(r.get("step_at_c_speedup")),
             fx(r["bandwidth_limit"]),
+            pct(r.get("share_of_limit")),
+            pct(r.get("step_share_of_limit")),
             f(r["throughput_tps"], ".2f"),
             fx(r["throughput_gain"]),
             str(r["completion_tokens"]),
