@@ -34,15 +34,17 @@ class Result:
     tags: list[str] | None = None  # each generated token's structural tag (``save_tags=True``, with tools)
 
 
-def load(model: str = DEFAULT_MODEL, dtype: str = "bf16") -> LoadedModel:
-    """Load an embedded model name, a Hugging Face id or a local directory (``dtype``: bf16 | fp32 | fp16)."""
+def load(model: str = DEFAULT_MODEL, dtype: str = "bf16", weights: str | None = None) -> LoadedModel:
+    """Load an embedded model name, a Hugging Face id or a local directory (``dtype``: bf16 | fp32 | fp16;
+    ``weights``: the linear layers' format, bf16 | int8 | int4, default ``$PASK_WEIGHTS`` or bf16)."""
     import torch
 
+    from pask.cpu.weights import configured
     from pask.runtime.models import load_model
 
     if dtype not in _DTYPES:
         raise PaskError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return load_model(model, dtype=getattr(torch, _DTYPES[dtype]))
+    return load_model(model, dtype=getattr(torch, _DTYPES[dtype]), weights=configured(weights))
 
 
 def _policy(

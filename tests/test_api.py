@@ -69,6 +69,13 @@ def test_unsatisfiable_tool_schema_names_tool_and_property(smol):
         pask.generate(smol, MESSAGES, tools=bad)
 
 
+def test_load_refuses_bad_dtype_and_weights():
+    with pytest.raises(PaskError, match="dtype must be one of"):
+        pask.load("smollm2-135m", dtype="int3")
+    with pytest.raises(PaskError, match="weight format must be one of"):
+        pask.load("smollm2-135m", weights="int2")
+
+
 def test_unknown_attribute():
     with pytest.raises(AttributeError):
         _ = pask.nothing_here
