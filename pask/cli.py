@@ -236,6 +236,7 @@ def generate(
     allow_transfer: TransferOpt = False,
     max_new_tokens: Annotated[int, typer.Option(help="at most this many generated tokens")] = 384,
     dtype: DtypeOpt = "bf16",
+    weights: WeightsOpt = None,
     threads: ThreadsOpt = None,
     save_tags: Annotated[bool, typer.Option(help="include each generated token's structural tag")] = False,
 ) -> None:
@@ -253,9 +254,10 @@ def generate(
     dtype = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
     if dtype not in ("bf16", "fp32", "fp16"):
         raise PaskError(f"unknown dtype '{dtype}'; choose bf16, fp32 or fp16")
+    weights = _weights(weights)
     table, frozen, config = _generate_policy(model, policy, budget, table, policy_config, allow_transfer)
     _threads(threads)
-    lm = api.load(model, dtype)
+    lm = api.load(model, dtype, weights)
     if frozen is not None and frozen.fingerprint != lm.fingerprint and not allow_transfer:
         raise PaskError(
             f"{table} was calibrated on model {frozen.model_name or '?'} ({frozen.fingerprint}), not on "
