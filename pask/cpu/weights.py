@@ -83,11 +83,6 @@ def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return codes, sz.permute(0, 3, 2, 1).contiguous()
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` with 4 bits."""
-    return quantize(weight, 4)
-
-
 def codes_of(codes: torch.Tensor) -> torch.Tensor:
     """The ``[Np, K]`` integer codes of a tiled weight (either width; the inverse of :func:`quantize`'s layout)."""
     nb, groups = codes.shape[0], codes.shape[1]
