@@ -73,7 +73,7 @@ def test_pask_without_table_uses_the_committed_one(tmp_path, monkeypatch):
 
     seen = {}
     model = LoadedModel("qwen2.5-coder-0.5b", None, None, json.loads(QWEN_TABLE.read_text())["model"]["fingerprint"])
-    monkeypatch.setattr(pask.api, "load", lambda name, dtype: model)
+    monkeypatch.setattr(pask.api, "load", lambda name, dtype, weights=None: model)
 
     def generate(lm, messages, **kw):
         seen.update(kw)
@@ -121,7 +121,7 @@ def test_table_of_another_model_needs_allow_transfer(tmp_path, smol, monkeypatch
     """The committed qwen table on smollm2-135m: the fingerprint check names both models and the flag."""
     import pask.api
 
-    monkeypatch.setattr(pask.api, "load", lambda name, dtype: smol)
+    monkeypatch.setattr(pask.api, "load", lambda name, dtype, weights=None: smol)
     req = _request(tmp_path, {"messages": MESSAGES, "tools": [WEATHER]})
     pask_args = ["--policy", "pask", "--budget", "0.33", "--table", str(QWEN_TABLE), "--max-new-tokens", "8"]
     res = _run("generate", req, *SMOL, *pask_args)

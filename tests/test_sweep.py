@@ -176,7 +176,7 @@ def test_pask_cells_build_the_table_policy(tmp_path, fake, smol):
     from pask.policies.pask import PaskPolicy
     from pask.policies.table import FrozenTable
 
-    table = FrozenTable(actions={}, fingerprint=smol.fingerprint, model_name="smollm2-135m", target_b=0.4)
+    table = FrozenTable(actions={}, fingerprint=smol.fingerprint, model_name="smollm2-135m", target_b=0.4, task="fake")
     table.save(tmp_path / "t.json")
     data = fake_config(tmp_path, policies=["pask", "pask-prefill", "pask-decode"], budgets=[0.4])
     data["fake"] = {"n": 4, "tables": {"smollm2-135m": {"0.4": "t.json"}}}
@@ -185,8 +185,17 @@ def test_pask_cells_build_the_table_policy(tmp_path, fake, smol):
     assert all(isinstance(p, PaskPolicy) for p in policies)
     assert [(p.prefill, p.decode) for p in policies] == [(True, True), (True, False), (False, True)]
     before = cells[0].config_hash()
-    FrozenTable(actions={}, fingerprint=smol.fingerprint, target_b=0.4, default_action="L").save(tmp_path / "t.json")
+    FrozenTable(actions={}, fingerprint=smol.fingerprint, target_b=0.4, default_action="L", task="fake").save(
+        tmp_path / "t.json"
+    )
     assert parse_config(data, tmp_path).cells[0].config_hash() != before
+    FrozenTable(actions={}, fingerprint=smol.fingerprint, target_b=0.4, task="bfcl").save(tmp_path / "t.json")
+    with pytest.raises(PaskError, match="calibrated for task 'bfcl', not 'fake'"):  # a table of another task
+        parse_config(data, tmp_path)
+    data["fake"]["allow_transfer"] = True  # ... unless the config asks for a transfer
+    assert isinstance(sweep.make_cell_policy(parse_config(data, tmp_path).cells[0], smol), PaskPolicy)
+    del data["fake"]["allow_transfer"]
+    table.save(tmp_path / "t.json")
     data["budgets"] = [0.5]
     data["fake"]["tables"]["smollm2-135m"]["0.5"] = "t.json"
     with pytest.raises(PaskError, match=r"calibrated for B = 0\.4"):
@@ -197,8 +206,8 @@ def test_pask_3a_cells_take_their_own_three_action_table(tmp_path, fake):
     """pask-3a reads "pask-3a@<budget>" (never the pask table) and refuses a table that uses INT2."""
     from pask.policies.table import FrozenTable
 
-    four = FrozenTable(actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2)
-    three = FrozenTable(actions={"P|schema_scaffold|g0": "L"}, fingerprint="x", target_b=0.2)
+    four = FrozenTable(actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2, task="fake")
+    three = FrozenTable(actions={"P|schema_scaffold|g0": "L"}, fingerprint="x", target_b=0.2, task="fake")
     four.save(tmp_path / "t4.json")
     three.save(tmp_path / "t3.json")
     data = fake_config(tmp_path, policies=["pask", "pask-3a"], budgets=[0.2])
@@ -220,8 +229,10 @@ def test_pask_k4v2_cells_take_a_k4v2_table(tmp_path, fake):
     """pask-k4v2 reads "pask-k4v2@<budget>" and refuses a table whose L2 action has INT2 keys."""
     from pask.policies.table import FrozenTable
 
-    int2 = FrozenTable(actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2)
-    k4v2 = FrozenTable(actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2, l2_key_bits=4)
+    int2 = FrozenTable(actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2, task="fake")
+    k4v2 = FrozenTable(
+        actions={"P|schema_scaffold|g0": "L2"}, fingerprint="x", target_b=0.2, l2_key_bits=4, task="fake"
+    )
     int2.save(tmp_path / "t2.json")
     k4v2.save(tmp_path / "tk.json")
     data = fake_config(tmp_path, policies=["pask", "pask-k4v2"], budgets=[0.2])
@@ -240,7 +251,9 @@ def test_fetch_cells_wrap_their_inner_policy(tmp_path, fake):
     from pask.policies.kvfetch import FetchPolicy
     from pask.policies.table import FrozenTable
 
-    FrozenTable(actions={"P|schema_scaffold|g0": "R"}, fingerprint="x", target_b=0.1).save(tmp_path / "tf.json")
+    FrozenTable(actions={"P|schema_scaffold|g0": "R"}, fingerprint="x", target_b=0.1, task="fake").save(
+        tmp_path / "tf.json"
+    )
     data = fake_config(tmp_path, policies=["fetch-snapkv", "fetch-pask"], budgets=[0.2])
     data["fake"] = {
         "n": 4,
@@ -494,7 +507,7 @@ def test_adopt_checks_the_pask_table(tmp_path, fake):
     from pask.policies.table import FrozenTable
 
     table = tmp_path / "t.json"
-    FrozenTable(actions={}, fingerprint="none", model_name="smollm2-135m", target_b=0.33).save(table)
+    FrozenTable(actions={}, fingerprint="none", model_name="smollm2-135m", target_b=0.33, task="fake").save(table)
     data = fake_config(tmp_path, policies=["pask"], budgets=[0.33])
     data["fake"] = {"n": 2, "tables": {"smollm2-135m": {"0.33": str(table)}}}
     cfg = parse_config(data, tmp_path)

@@ -77,10 +77,11 @@ def _probe() -> str:
             if not torch.allclose(got, want, rtol=2**-7, atol=1e-3):
                 _LIB = None
                 return f"probe mismatch, bf16 path (max abs error {float((got - want).abs().max()):.2e})"
-    from pask.cpu.weights import quantize  # INT4 / INT8 weights: within int8 activations' error (AMX) of F.linear
-
+    # INT4 / INT8 weights (any bytes are codes of the tiled layout): within int8 activations' error of F.linear
     for (m, k, n), bits in itertools.product(((1, 64, 40), (9, 96, 17)), (4, 8)):
-        codes, sz = quantize(torch.randn(n, k, generator=gen), bits)
+        nb = -(-n // 16)
+        codes = torch.randint(0, 256, (nb, k // 32, bits, 64), dtype=torch.uint8, generator=gen)
+        sz = ((torch.rand(nb, k // 32, 2, 16, generator=gen) - 0.5) * 0.1).to(torch.bfloat16)
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         want = F.linear(x.float(), dequant(codes, sz, n, bits).float())
         got = linear_quant(x, codes, sz, n, bits).float()

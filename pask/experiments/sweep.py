@@ -644,7 +644,13 @@ def _check_cell_policy(cell: Cell) -> None:
         elif cell.policy_config:
             raise PaskError(f"cell {cell.name}: PASK takes its actions from the table, not from policy_config")
         # fetch-pask: the table is fitted to the hot budget KVFetch leaves, not to the cell's B
-        policy = make_pask_policy(cell.table, None if cell.policy == "fetch-pask" else cell.budget, fingerprint=None)
+        policy = make_pask_policy(
+            cell.table,
+            None if cell.policy == "fetch-pask" else cell.budget,
+            fingerprint=None,
+            allow_transfer=bool(cell.options.get("allow_transfer")),
+            task=cell.task,
+        )
         if cell.policy == "pask-3a" and "L2" in policy.table.actions.values():
             raise PaskError(f"cell {cell.name}: pask-3a needs a three-action table; {cell.table} uses INT2 (L2)")
         if cell.policy == "pask-k4v2" and policy.table.l2_key_bits != 4:
