@@ -134,10 +134,10 @@ def load_pask_table(table: Path | None, task: str, fingerprint: str | None, allo
 
     if table is None:
         raise PaskError(f"--policy pask needs --table FILE (made by `pask calibrate --task {task}`)")
+    from pask.policies.pask import check_task
+
     frozen = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)
-    if frozen.task != task and not allow_transfer:
-        raise PaskError(f"{table} was calibrated for task '{frozen.task}', not '{task}' (a transfer: --allow-transfer)")
-    if frozen.task != task:
+    if check_task(frozen, task, allow_transfer):
         console.print(f"[yellow]warning:[/] {table} was calibrated for task '{frozen.task}', used on '{task}'")
     return frozen
 

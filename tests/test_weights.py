@@ -26,8 +26,7 @@ def fma_bf16(codes: torch.Tensor, sz: torch.Tensor, n: int) -> torch.Tensor:
     scale plus a bf16 zero), then to bf16: what fma then a round-to-nearest-even conversion give."""
     nb, groups = codes.shape[0], codes.shape[1]
     q = W.codes_of(codes).reshape(nb * 16, groups, W.GROUP).double()
-    s = sz[:, :, 0, :].permute(0, 2, 1).reshape(nb * 16, groups, 1).double()
-    z = sz[:, :, 1, :].permute(0, 2, 1).reshape(nb * 16, groups, 1).double()
+    s, z = (t.double().unsqueeze(-1) for t in W.scales_of(sz))
     return (q * s + z).float().bfloat16().reshape(nb * 16, -1)[:n]
 
 
@@ -44,8 +43,7 @@ def int8_reference(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: in
     a = (amax / 127.0).double()
     nb = codes.shape[0]
     q = W.codes_of(codes).reshape(nb * 16, groups, W.GROUP).double()[:n]
-    s = sz[:, :, 0, :].permute(0, 2, 1).reshape(nb * 16, groups).double()[:n]
-    z = sz[:, :, 1, :].permute(0, 2, 1).reshape(nb * 16, groups).double()[:n]
+    s, z = (t.double()[:n] for t in W.scales_of(sz))
     cg = torch.einsum("mgk,ngk->mng", x8, q)
     y = (cg * a.unsqueeze(1) * s.unsqueeze(0) + z.unsqueeze(0) * xf.double().sum(-1).unsqueeze(1)).sum(-1)
     return y + (0 if b is None else b.double())
@@ -67,7 +65,7 @@ def test_quantisation_error_is_at_most_half_a_step(n, groups, scale, bits, seed)
     assert codes.dtype == torch.uint8 and codes.shape == (-(-n // 16), groups, bits, 64)
     assert sz.dtype == torch.bfloat16 and sz.shape == (-(-n // 16), groups, 2, 16)
     deq = W.dequantize_reference(codes, sz, n)
-    step = sz[:, :, 0, :].permute(0, 2, 1).reshape(-1, groups)[:n].float().repeat_interleave(W.GROUP, 1)
+    step = W.scales_of(sz)[0][:n].float().repeat_interleave(W.GROUP, 1)
     # half a step, plus the bf16 rounding of scale and zero (2^-8 relative, up to 2^bits - 1 steps away)
     bound = step * (0.5 + 2**bits * 2**-8) + w.float().abs() * 2**-8 + 1e-30
     assert torch.all((deq - w.float()).abs() <= bound)

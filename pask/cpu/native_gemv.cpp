@@ -30,6 +30,14 @@ using pask_native::bf2f;
 
 constexpr int MAXM = 8;  // rows per pass over a weight row (bf16-io path: one accumulator per row and weight row)
 
+inline uint16_t f2bf(float f) {  // round to nearest even (NaN stays NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>((u >> 16) | ((u & 0xFFFF) ? 0x40 : 0));
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -133,14 +141,6 @@ inline void pair_dot(const uint16_t* x, int64_t K, const uint16_t* w0, const uin
     }
   }
   _mm512_storeu_ps(sums, pask_native::hsum16(acc));
-}
-
-inline uint16_t f2bf(float f) {  // round to nearest even (finite values)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>((u >> 16) | ((u & 0xFFFF) ? 0x40 : 0));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
 }
 
 // Rows [n0, n1) of y by pairs of weight rows (the path without tiles, and the tail of the tile path;
@@ -273,12 +273,11 @@ uint16_t* row_buffer(int64_t rows, int64_t K) {
   return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
 }
 
-inline uint16_t bf16_rne(float f) {  // finite f -> bf16, to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+#if defined(__AVX512F__)
+inline __m512 bf16x16(__m256i v) {  // 16 bf16 -> fp32 (exact: a shift)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
+#endif
 
 // ---- INT4 / INT8 weights: the tiled layout (pask/cpu/weights.py writes it) --------------------
 // Output rows in blocks of 16 (N padded to Np, a multiple of 16, with zero rows), inputs in groups of
@@ -353,7 +352,7 @@ void dequant_tiled(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, cons
       }
       for (int n = 0; n < nn; ++n) {
         uint16_t* o = out + (b * 16 + n - n0) * K + 32 * g;
-        for (int k = 0; k < 32; ++k) o[k] = bf16_rne(w[n][k]);
+        for (int k = 0; k < 32; ++k) o[k] = f2bf(w[n][k]);
       }
 #endif
     }
@@ -384,8 +383,8 @@ void quantize_rows(int64_t M, int64_t K, const uint16_t* x, int8_t* x8, float* a
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const uint16_t* xp = x + m * K + 32 * g;
-      const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)xp)), 16));
-      const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xp + 16))), 16));
+      const __m512 v0 = bf16x16(_mm256_loadu_si256((const __m256i*)xp));
+      const __m512 v1 = bf16x16(_mm256_loadu_si256((const __m256i*)(xp + 16)));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       a[m * G + g] = amax / 127.0f;
@@ -447,8 +446,8 @@ void quant_block(int64_t K, int64_t N, int64_t b, const int8_t* x8, const float*
   for (int64_t g = 0; g < G; ++g) {
     if (g + 1 < G) issue(g + 1);
     const uint16_t* s = tile_sz(sz, G, b, g);
-    const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16));
-    const __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + 16))), 16));
+    const __m512 sv = bf16x16(_mm256_loadu_si256((const __m256i*)s));
+    const __m512 zv = bf16x16(_mm256_loadu_si256((const __m256i*)(s + 16)));
     for (int m = 0; m < MT; ++m) {
       const __m512 c = _mm512_cvtepi32_ps(_mm512_load_si512(cb[g & 1][m]));
       acc[m] = _mm512_fmadd_ps(c, _mm512_mul_ps(sv, _mm512_set1_ps(a[m * G + g])), acc[m]);
@@ -457,7 +456,7 @@ void quant_block(int64_t K, int64_t N, int64_t b, const int8_t* x8, const float*
   }
   const int nn = static_cast<int>(std::min<int64_t>(16, N - 16 * b));
   const __mmask16 keep = static_cast<__mmask16>(nn >= 16 ? 0xFFFF : (1u << nn) - 1);
-  const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + 16 * b)), 16))
+  const __m512 bv = bias ? bf16x16(_mm256_maskz_loadu_epi16(keep, bias + 16 * b))
                          : _mm512_setzero_ps();
   for (int m = 0; m < MT; ++m) {
     const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv));

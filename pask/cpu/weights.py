@@ -94,13 +94,18 @@ def codes_of(codes: torch.Tensor) -> torch.Tensor:
     return c.permute(0, 3, 1, 2, 4).reshape(nb * 16, groups * GROUP)
 
 
+def scales_of(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[Np, K/32]`` bf16 scales and zeros of a tiled weight (the inverse of :func:`quantize`'s layout)."""
+    nb, groups = sz.shape[0], sz.shape[1]
+    return tuple(sz[:, :, j, :].permute(0, 2, 1).reshape(nb * 16, groups) for j in (0, 1))
+
+
 def dequantize_reference(codes: torch.Tensor, sz: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """The ``[N, K]`` fp32 weight ``code * scale + zero`` of a tiled weight (before any bf16
     rounding), in PyTorch. ``n`` cuts the padding rows."""
     nb, groups = codes.shape[0], codes.shape[1]
     q = codes_of(codes).reshape(nb * 16, groups, GROUP).float()
-    scale = sz[:, :, 0, :].permute(0, 2, 1).reshape(nb * 16, groups, 1).float()
-    zero = sz[:, :, 1, :].permute(0, 2, 1).reshape(nb * 16, groups, 1).float()
+    scale, zero = (t.float().unsqueeze(-1) for t in scales_of(sz))
     w = (q * scale + zero).reshape(nb * 16, groups * GROUP)
     return w if n is None else w[:n]
 

@@ -114,7 +114,6 @@ ABLATIONS = {
 #: ``fetch-pask``'s is a table fitted to the hot budget KVFetch leaves it (docs/kvfetch.md).
 OWN_TABLES = ("pask-3a", "pask-k4v2", "fetch-pask")
 DTYPES = ("bf16", "fp32")
-WEIGHT_FORMATS = ("bf16", "int8", "int4")  # pask.cpu.weights.FORMATS
 _PRODUCT_KEYS = ("models", "tasks", "splits", "policies", "budgets")
 _TOP_KEYS = {"results_dir", "dtype", "weights", "threads", "grid", *_PRODUCT_KEYS}
 
@@ -542,6 +541,8 @@ def parse_config(
     dtype = data.get("dtype", "bf16")
     if dtype not in DTYPES:
         raise PaskError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+    from pask.cpu.weights import FORMATS as WEIGHT_FORMATS
+
     weights = data.get("weights", "bf16")
     if weights not in WEIGHT_FORMATS:
         raise PaskError(f"unknown weights '{weights}'; choose one of {', '.join(WEIGHT_FORMATS)}")

@@ -155,6 +155,19 @@ class PaskPolicy(PolicyBase):
         return self._actions(ctx)
 
 
+def check_task(table: FrozenTable, task: str, allow_transfer: bool = False) -> bool:
+    """Whether ``table`` was calibrated on another task than ``task``: refused (PaskError) unless
+    ``allow_transfer`` (a transfer experiment), else True for a transfer, False for the table's own task."""
+    if table.task in (None, task):
+        return False
+    if not allow_transfer:
+        raise PaskError(
+            f"the PASK table was calibrated for task '{table.task}', not '{task}' "
+            "(a transfer experiment needs allow_transfer: --allow-transfer, or allow_transfer = true in a sweep)"
+        )
+    return True
+
+
 def make_pask_policy(
     table: FrozenTable | str | Path,
     budget: float | None = None,
@@ -177,11 +190,8 @@ def make_pask_policy(
 
     if not isinstance(table, FrozenTable):
         table = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)
-    if task is not None and table.task not in (None, task) and not allow_transfer:
-        raise PaskError(
-            f"the PASK table was calibrated for task '{table.task}', not '{task}' "
-            "(a transfer experiment needs allow_transfer: --allow-transfer, or allow_transfer = true in a sweep)"
-        )
+    if task is not None:
+        check_task(table, task, allow_transfer)
     if budget is not None and table.target_b is not None and abs(budget - table.target_b) > 1e-9:
         raise PaskError(
             f"the PASK table was calibrated for B = {table.target_b}, not {budget}: "

@@ -101,14 +101,13 @@ def serving_policy_factory(
     from pask.policies.factory import make_policy
 
     if name == "pask":  # served requests are tool calls / JSON: a function-calling (bfcl) table
-        from pask.policies.pask import make_pask_policy
+        from pask.policies.pask import check_task, make_pask_policy
         from pask.policies.table import load
 
         if table is None:
             raise PaskError("--policy pask needs --table FILE (made by `pask calibrate --task bfcl`)")
         frozen = load(table, fingerprint=fingerprint, allow_transfer=allow_transfer)
-        if frozen.task != "bfcl":
-            raise PaskError(f"{table} was calibrated for task '{frozen.task}', not 'bfcl'")
+        check_task(frozen, "bfcl")  # served requests are tool calls: no transfer across tasks here
         make_pask_policy(frozen, budget)
         return lambda: make_pask_policy(frozen, budget)
     if make_policy(name, budget, config) is None:
