@@ -407,7 +407,7 @@ void quant_block(int64_t K, int64_t N, int64_t b, const int8_t* x8, const float*
                  const uint16_t* sz, const uint16_t* bias, uint16_t* y, int bits) {
   const int64_t G = K / 32;
   // B tiles of every group, unpacked before any tile reads them (a tile load right after the
-  // stores that wrote its data waits for them: measured 3x slower than loads of settled data)
+  // stores that wrote its data waits for them)
   // INT8: the B tiles are the codes, read in place; INT4: unpacked here (see b_buffer)
   const uint8_t* bt = codes + b * G * 512;
   if (bits == 4) {

@@ -7,8 +7,7 @@ since a step reads only a few of its rows): per group of 32 consecutive inputs o
 a weight is ``fma(code, scale, zero)``: 1.125 (int8) or 0.625 (int4) bytes per weight against bf16's 2.
 The embedded qwen2.5-coder-0.5b GGUF is mostly Q5_0 (``d (q - 16)``, 32 levels per 32 weights): against
 its bf16 weights ``int8`` has about 0.5 % relative error per tensor (the Q5_0 levels do not fall on
-its grid of 255 steps between min and max) and ``int4`` about 8 % (measured on the first layers and
-the LM head).
+its grid of 255 steps between min and max) and ``int4`` about 8 % (``benchmarks/weights_format.py``).
 
 Decode-sized inputs (at most :data:`pask.cpu.native_gemv.MAX_ROWS` rows) run
 :func:`pask.cpu.native_gemv.linear_quant`: on AMX-INT8 tiles where the CPU has them, with the
