@@ -25,6 +25,7 @@ import torch
 from pask.cpu import bf16_matmul, native_gemv
 from pask.cpu.weights import step_weight_bytes
 from pask.experiments.provenance import add_allow_dirty, check_clean, write_result
+from pask.runtime.capacity import kv_bytes_per_token
 from pask.runtime.models import load_model
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -82,6 +83,15 @@ def main() -> None:
         }
         for w in models
     }
+    # gain share: (speed-up - 1) / (limit - 1), the limit from the bytes a step reads (weights + Full KV held)
+    per_token = kv_bytes_per_token(models["bf16"].model.config, torch.bfloat16)
+    for w in ("int8", "int4"):
+        res[w]["gain_share"] = {}
+        for b in batches:
+            kv = b * args.context * per_token
+            limit = (res["bf16"]["step_weight_bytes"] + kv) / (res[w]["step_weight_bytes"] + kv)
+            speedup = res["bf16"]["decode_step_ms"][str(b)] / res[w]["decode_step_ms"][str(b)]
+            res[w]["gain_share"][str(b)] = {"limit": limit, "speedup": speedup, "share": (speedup - 1) / (limit - 1)}
     agree = {w: int((greedy["bf16"] == greedy[w]).sum()) for w in ("int8", "int4")}
     command = "python benchmarks/weights_quant.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out = {
@@ -124,6 +134,19 @@ def main() -> None:
             for b in batches
         ]
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Gain share of the decode steps, (speed-up - 1) / (limit - 1), with the limit from the bytes a step reads "
+        "(the weights above plus the Full KV held):",
+        "",
+        "| weights | " + " | ".join(f"batch {b}: limit, gain share" for b in batches) + " |",
+        "|---|" + "---:|" * len(batches),
+    ]
+    for w in ("int8", "int4"):
+        g = res[w]["gain_share"]
+        lines.append(
+            f"| {w} | " + " | ".join(f"{g[str(b)]['limit']:.2f}x, {100 * g[str(b)]['share']:.0f} %" for b in batches) + " |"
+        )
     lines.append("")
     for w in ("int8", "int4"):
         lines.append(
