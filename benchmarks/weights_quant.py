@@ -144,9 +144,8 @@ def main() -> None:
     ]
     for w in ("int8", "int4"):
         g = res[w]["gain_share"]
-        lines.append(
-            f"| {w} | " + " | ".join(f"{g[str(b)]['limit']:.2f}x, {100 * g[str(b)]['share']:.0f} %" for b in batches) + " |"
-        )
+        cells = [f"{g[str(b)]['limit']:.2f}x, {100 * g[str(b)]['share']:.0f} %" for b in batches]
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
     lines.append("")
     for w in ("int8", "int4"):
         lines.append(
