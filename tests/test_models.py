@@ -61,6 +61,23 @@ def test_assembly_concatenates_in_order(tmp_path, monkeypatch):
     sys.modules.pop("pask_fake_part1", None)
 
 
+def test_embedded_gguf_is_assembled_once_and_checked(tmp_path, monkeypatch):
+    emb = _fake_parts(tmp_path, monkeypatch, [b"abc", b"def"])
+    path = models.embedded_gguf("fake")
+    assert path.read_bytes() == b"abcdef" and path.name == emb.gguf_name
+    assert models.embedded_gguf("fake") == path  # reused, not rebuilt
+    path.write_bytes(b"abc")  # a truncated file is rebuilt
+    assert models.embedded_gguf("fake").read_bytes() == b"abcdef"
+    path.unlink()
+    (tmp_path / "pask_fake_part2" / "data" / "part01.bin").write_bytes(b"dXf")
+    with pytest.raises(PaskError, match="corrupt"):
+        models.embedded_gguf("fake")
+    assert not path.exists() and not list(path.parent.glob("*.tmp-*"))
+    with pytest.raises(PaskError, match="unknown embedded model 'nope'"):
+        models.embedded_gguf("nope")
+    sys.modules.pop("pask_fake_part1", None)
+
+
 def test_embedded_tiny_model_loads_from_cache(smol):
     assert smol.name == "smollm2-135m"
     assert smol.num_layers == 30

@@ -185,6 +185,26 @@ def embedded_cache_dir(name: str) -> Path:
     return cache_root() / "models" / f"{name}-{tag}-{CACHE_FORMAT}"
 
 
+def embedded_gguf(name: str) -> Path:
+    """The embedded model's GGUF file itself, assembled (sha256-checked) once into the cache, for
+    engines that read GGUF directly (``benchmarks/peer_llamacpp.py``). PaskError for an unknown name
+    or missing / corrupt parts."""
+    emb = EMBEDDED.get(name)
+    if emb is None:
+        raise PaskError(f"unknown embedded model '{name}' (embedded: {', '.join(EMBEDDED)})")
+    out = embedded_cache_dir(name).with_name(f"{name}-{(emb.sha256 or 'nohash')[:12]}-gguf") / emb.gguf_name
+    if out.exists() and out.stat().st_size == sum(p.stat().st_size for p in _part_paths(emb)):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    try:
+        _assemble(emb, tmp)
+        tmp.rename(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
