@@ -413,11 +413,15 @@ def test_amx_switch_without_tiles_reports_off(native):
     flat=st.booleans(),
     bits=st.sampled_from([4, 2, 24]),
     n=st.integers(20, 400),
+    zeros=st.booleans(),
 )
-@example(seed=21, d=128, scale=1e-3, flat=False, bits=4, n=21)  # once drew single-position L batches only
-def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, scale, flat, bits, n):
+@example(seed=21, d=128, scale=1e-3, flat=False, bits=4, n=21, zeros=False)  # once drew single-position L batches only
+@example(seed=3, d=64, scale=1.0, flat=False, bits=4, n=80, zeros=True)
+@example(seed=4, d=64, scale=1.0, flat=True, bits=2, n=80, zeros=True)
+def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, scale, flat, bits, n, zeros):
     """Many positions at once (prefill-time actions, several batches landing mid-block) through the
-    native quantiser equal the PyTorch path, INT4, INT2 and K4V2 (``bits=24``)."""
+    native quantiser equal the PyTorch path, INT4, INT2 and K4V2 (``bits=24``); ``zeros``: groups
+    whose range ends at +0 and -0 (the vector min / max may take the other zero: the same codes)."""
     bits, kb = (2, 4) if bits == 24 else (bits, 2)
     gen = torch.Generator().manual_seed(seed)
     window = 4
@@ -426,6 +430,11 @@ def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, sca
     if flat:
         k[..., :32] = 0.5
         v[..., 32:64] = -2.0
+    if zeros:  # mixed signed zeros at a group's end: values >= 0 in one group, <= 0 in the next
+        v[..., :16], v[..., 16:32] = v[..., :16].abs(), -0.0
+        v[..., 32:48], v[..., 48:64] = -v[..., 32:48].abs(), 0.0
+        v[:, :, ::2, 0], v[:, :, 1::2, 32] = -0.0, 0.0
+        k[..., :32] = torch.where(k[..., :32] < 0, torch.zeros(()), k[..., :32]).to(k.dtype)
     order = torch.randperm(n - window, generator=gen).tolist()
     cut = sorted(torch.randint(2, len(order), (2,), generator=gen).tolist())  # batch 0: >= 2 positions
     batches = [order[: cut[0]], order[cut[0] : cut[1]], order[cut[1] :]]

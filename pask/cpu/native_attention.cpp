@@ -1448,13 +1448,8 @@ inline uint8_t pack_quad(const uint8_t* c) {
   return static_cast<uint8_t>(c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6));
 }
 
-void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
-  float mn = x[0], mx = x[0];
-  for (int i = 1; i < QG; ++i) {
-    mn = x[i] < mn ? x[i] : mn;
-    mx = x[i] > mx ? x[i] : mx;
-  }
-  const float top = static_cast<float>(qmax);
+// The scale and zero of a group with range [mn, mx] (bf16 bits), and the low end of its grid.
+inline float group_grid(float mn, float mx, int zp, float top, uint16_t* scale_out, uint16_t* zero_out) {
   uint16_t scale = round_up_bf((mx - mn) / top);
   if (!(bf2f(scale) > 0.0f)) scale = 0x3380;  // 2^-24
   uint16_t zero;
@@ -1466,15 +1461,84 @@ void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* 
     if (!(low + top * s < mx)) break;
     scale = bf_next_up(scale);
   }
-  const float s = bf2f(scale);
+  *scale_out = scale;
+  *zero_out = zero;
+  return low;
+}
+
+#if !defined(__AVX512F__) && !defined(PASK_AVX2)
+inline void scalar_range(const float* x, float* mn_out, float* mx_out) {
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < QG; ++i) {
+    mn = x[i] < mn ? x[i] : mn;
+    mx = x[i] > mx ? x[i] : mx;
+  }
+  *mn_out = mn;
+  *mx_out = mx;
+}
+#endif
+
+#if defined(__AVX512F__)
+// quantize_group on 16-lane vectors, bit-exact with the scalar one: the same float operations per
+// element (subtract, divide, round to nearest even, clamp), min / max exact. The sign of a zero
+// range end may differ from the scalar scan's, which changes nothing: group_grid only forms
+// mx - mn and mn + zp * s (for zp = 0, -0 + 0 = +0).
+void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  float mn = _mm512_reduce_min_ps(_mm512_min_ps(a, b)), mx = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+  const float top = static_cast<float>(qmax);
+  const float low = group_grid(mn, mx, zp, top, scale_out, zero_out);
+  const __m512 lo = _mm512_set1_ps(low), s = _mm512_set1_ps(bf2f(*scale_out)), t = _mm512_set1_ps(top);
+  const __m512 z = _mm512_setzero_ps();
+  for (int half = 0; half < 2; ++half) {
+    __m512 c = _mm512_div_ps(_mm512_sub_ps(half ? b : a, lo), s);
+    c = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm512_min_ps(_mm512_max_ps(c, z), t);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * half), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+  }
+}
+#elif defined(PASK_AVX2)
+// quantize_group on 8-lane vectors (see the AVX-512 one).
+void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  __m256 lo8 = _mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3]));
+  __m256 hi8 = _mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3]));
+  alignas(32) float l8[8], h8[8];
+  _mm256_store_ps(l8, lo8);
+  _mm256_store_ps(h8, hi8);
+  float mn = l8[0], mx = h8[0];
+  for (int i = 1; i < 8; ++i) {
+    mn = l8[i] < mn ? l8[i] : mn;
+    mx = h8[i] > mx ? h8[i] : mx;
+  }
+  const float top = static_cast<float>(qmax);
+  const float low = group_grid(mn, mx, zp, top, scale_out, zero_out);
+  const __m256 lo = _mm256_set1_ps(low), s = _mm256_set1_ps(bf2f(*scale_out)), t = _mm256_set1_ps(top);
+  const __m256 z = _mm256_setzero_ps();
+  alignas(32) int32_t ci[QG];
+  for (int i = 0; i < 4; ++i) {
+    __m256 c = _mm256_div_ps(_mm256_sub_ps(v[i], lo), s);
+    c = _mm256_round_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm256_min_ps(_mm256_max_ps(c, z), t);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ci + 8 * i), _mm256_cvtps_epi32(c));
+  }
+  for (int i = 0; i < QG; ++i) codes[i] = static_cast<uint8_t>(ci[i]);
+}
+#else
+void quantize_group(const float* x, int zp, int qmax, uint8_t* codes, uint16_t* scale_out, uint16_t* zero_out) {
+  float mn, mx;
+  scalar_range(x, &mn, &mx);
+  const float top = static_cast<float>(qmax);
+  const float low = group_grid(mn, mx, zp, top, scale_out, zero_out);
+  const float s = bf2f(*scale_out);
   for (int i = 0; i < QG; ++i) {
     float c = std::nearbyint((x[i] - low) / s);
     c = c < 0.0f ? 0.0f : (c > top ? top : c);
     codes[i] = static_cast<uint8_t>(c);
   }
-  *scale_out = scale;
-  *zero_out = zero;
 }
+#endif
 
 }  // namespace
 
