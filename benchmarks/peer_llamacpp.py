@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/peer_llamacpp.py [--lengths 2048,8192,32768] [--concurrency 1,8]
         [--kv f16,q8_0,q4_0] [--policies full,kivi-4,pask@0.25] [--weights int8] [--threads 2]
-        [--new-tokens 64] [--bfcl 40] [--skip-speed] [--skip-accuracy] [--out NAME]
+        [--new-tokens 64] [--bfcl 40] [--skip-speed] [--out NAME]
 
-Needs ``llama-cpp-python==0.3.36``, an optional dependency kept out of ``make test``: ``pip install
---no-deps llama-cpp-python==0.3.36`` builds its sdist here (~15 min on 2 cores, ``-march=native``,
-so a wheel built on the AMX Intel does not run on the AVX2 AMD). Without it the script exits 2.
+Needs ``llama-cpp-python==0.3.36`` (and ``diskcache``), the optional ``peer`` extra, kept out of
+``make test``: ``pip install llama-cpp-python==0.3.36 diskcache`` builds its sdist here (~15 min on 2
+cores, ``-march=native``, so a wheel built on the AMX Intel does not run on the AVX2 AMD). Without it
+the script exits 2.
 
 **Speed.** For each input length a tool-calling prompt is built as ``pask bench serve`` builds it
 (BFCL test tools and questions after a history of earlier ones, ``tool_choice`` required), and both
@@ -46,7 +47,10 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "results"
 LLAMA_KV = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}  # ggml type, bytes per element
-INSTALL = "pip install --no-deps llama-cpp-python==0.3.36 (an sdist: ~15 min to build on 2 cores)"
+INSTALL = (
+    "pip install llama-cpp-python==0.3.36 diskcache (or the peer extra: pip install -e '.[peer]'); "
+    "an sdist: ~15 min to build on 2 cores"
+)
 
 
 # -- llama.cpp side (child process) ----------------------------------------------------------------
@@ -72,7 +76,7 @@ def tool_gbnf(tools: list[dict]) -> str:
 class LlamaEngine:
     """One llama.cpp model and context, driven through the C API (``llama_cpp.llama_cpp``)."""
 
-    def __init__(self, gguf: str, kv: str, threads: int, n_ctx: int, n_seq: int) -> None:
+    def __init__(self, gguf: str, kv: str, threads: int, n_ctx: int, n_seq: int, extra_bufts: bool) -> None:
         import llama_cpp as L
 
         self.L, self.log = L, []
@@ -85,6 +89,7 @@ class LlamaEngine:
         L.llama_log_set(_log, ctypes.c_void_p())
         L.llama_backend_init()
         mp = L.llama_model_default_params()
+        mp.use_extra_bufts = extra_bufts  # the AMX and repacked weight layouts
         self.model = L.llama_model_load_from_file(gguf.encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
@@ -183,7 +188,7 @@ def llama_worker(spec: dict) -> dict:
     import llama_cpp as L
 
     n_ctx = spec["rows"] * (spec["ctx"] + 16)
-    eng = LlamaEngine(spec["gguf"], spec["kv"], spec["threads"], n_ctx, spec["rows"])
+    eng = LlamaEngine(spec["gguf"], spec["kv"], spec["threads"], n_ctx, spec["rows"], spec["extra_bufts"])
     res: dict = {"system_info": L.llama_print_system_info().decode(errors="replace")}
     try:
         if spec["mode"] == "speed":
@@ -211,17 +216,34 @@ def llama_worker(spec: dict) -> dict:
     return res
 
 
+_EXTRA_BUFTS: dict[str, bool] = {}  # whether llama.cpp's extra buffer types ran (None: not tried yet)
+
+
 def run_llama(spec: dict, timeout: float) -> dict:
-    """:func:`llama_worker` in a child process (its own OpenMP runtime), ``spec`` through a file."""
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "spec.json"
-        path.write_text(json.dumps(spec))
-        out = Path(d) / "out.json"
-        cmd = [sys.executable, __file__, "--worker", str(path), "--worker-out", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"llama.cpp worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        return json.loads(out.read_text())
+    """:func:`llama_worker` in a child process (its own OpenMP runtime), ``spec`` through a file.
+
+    llama.cpp's extra buffer types (its AMX and repacked weight layouts) are tried first; a build
+    whose AMX kernel crashes on this model (SIGSEGV in ``ggml_backend_amx_mul_mat``, seen with the
+    Q4_K / Q6_K tensors of qwen2.5-coder-0.5b's GGUF) is rerun without them, and the result says so."""
+    tries = [_EXTRA_BUFTS["ok"]] if "ok" in _EXTRA_BUFTS else [True, False]
+    for extra in tries:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "spec.json"
+            path.write_text(json.dumps({**spec, "extra_bufts": extra}))
+            out = Path(d) / "out.json"
+            cmd = [sys.executable, __file__, "--worker", str(path), "--worker-out", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode == 0:
+                _EXTRA_BUFTS["ok"] = extra
+                res = json.loads(out.read_text())
+                res["extra_bufts"] = extra
+                res["extra_bufts_crashed"] = extra is False and len(tries) == 2
+                return res
+            if proc.returncode != -11 or not extra:
+                raise RuntimeError(f"llama.cpp worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            print("llama.cpp crashed (SIGSEGV) with its AMX / repacked weights; rerunning without them", flush=True)
+            _EXTRA_BUFTS["crashed"] = True
+    raise AssertionError("unreachable")
 
 
 # -- pask side ------------------------------------------------------------------------------------
@@ -241,31 +263,26 @@ def pask_policy(spec: str, lm):
     return make_pask_policy(load(path, fingerprint=None), float(b))
 
 
-def pask_speed(lm, chat, policy_spec: str, rows: int, new_tokens: int, store) -> dict:
+def pask_speed(lm, body: dict, model: str, policy_spec: str, rows: int, new_tokens: int, store) -> dict:
     """Prefill once (timed, stored), then ``rows`` copies decoded together (prefills from the store)."""
-    import copy
-
     from pask.runtime.engine import run_jobs
     from pask.runtime.scheduler import Job
-    from pask.serving.protocol import attach_tagging
+    from pask.serving.protocol import attach_tagging, build_chat_request
 
-    def job(i: int) -> Job:
-        req = copy.copy(chat.request)
-        req.constraint = copy.deepcopy(chat.request.constraint)
-        req.tagger = copy.deepcopy(chat.request.tagger)
-        req.max_new_tokens = new_tokens
-        return Job(id=str(i), request=req)
+    def job(i: int) -> Job:  # a fresh request each: a compiled grammar's state is the request's own
+        chat = build_chat_request(body, lm.tokenizer, model)
+        attach_tagging(chat, lm.tokenizer)
+        chat.request.max_new_tokens = new_tokens
+        return Job(id=str(i), request=chat.request)
 
-    attach_tagging(chat, lm.tokenizer)
     policy = pask_policy(policy_spec, lm)
-    (first,) = run_jobs(lm, [job(0)], policy, store=store)  # the timed prefill (stores it)
-    jobs = run_jobs(lm, [job(i) for i in range(rows)], policy, store=store)
-    steps = max(len(j.generated) for j in jobs) - 1  # decode forwards (the first token is the prefill's)
+    (first,) = run_jobs(lm, [job(0)], policy, store=None)  # the timed prefill, computed
+    jobs = run_jobs(lm, [job(i) for i in range(rows)], policy, store=store)  # all admitted, then decoded together
     budget = jobs[0].budget or {}
     return {
         "prefill_s": first.prefill_ms / 1000,
-        "decode_s": max(j.tpot_ms for j in jobs) * steps / 1000,
-        "steps": steps,
+        "decode_s": max(j.decode_ms for j in jobs) / 1000,  # the batched decode steps (Job.decode_ms)
+        "steps": max(j.decode_steps for j in jobs),
         "generated": sum(len(j.generated) for j in jobs),
         "measured_b": budget.get("b_total"),
         "held_bytes": budget.get("held_bytes", 0) * rows,
@@ -325,7 +342,7 @@ def main() -> None:
     gguf = str(embedded_gguf(args.model))
     lm = load_model(args.model, weights=args.weights)
     tok = lm.tokenizer
-    per_token = kv_bytes_per_token(lm)  # bf16 K and V of every layer
+    per_token = kv_bytes_per_token(lm.model.config, torch.bfloat16)  # bf16 K and V of every layer
     rows: list[dict] = []
     llama_info: dict = {}
     with tempfile.TemporaryDirectory() as store_dir:
@@ -350,12 +367,13 @@ def main() -> None:
                         "new_tokens": args.new_tokens,
                     }
                     r = run_llama(spec, timeout=7200)
-                    llama_info = {k: r[k] for k in ("system_info", "paths", "log_tail")}
+                    llama_info = {k: r[k] for k in ("system_info", "paths", "log_tail", "extra_bufts")}
+                    llama_info["extra_bufts_crashed"] = bool(_EXTRA_BUFTS.get("crashed"))
                     held = c * (len(ids) + r["generated"] // c) * per_token * LLAMA_KV[kv][1] / 2
                     rows.append(_row("llama.cpp", f"kv {kv}", n, len(ids), c, r, held, LLAMA_KV[kv][1] / 2))
                     print(json.dumps(rows[-1]), flush=True)
                 for p in policies:
-                    r = pask_speed(lm, build_chat_request(body, tok, args.model), p, c, args.new_tokens, store)
+                    r = pask_speed(lm, body, args.model, p, c, args.new_tokens, store)
                     rows.append(_row("pask", p, n, len(ids), c, r, r["held_bytes"], r["measured_b"]))
                     print(json.dumps(rows[-1]), flush=True)
         accuracy = _accuracy(args, lm, gguf, kvs, policies, per_token) if args.bfcl else []
@@ -452,12 +470,19 @@ def _accuracy(args, lm, gguf: str, kvs: list[str], policies: list[str], per_toke
     return out
 
 
+def _bufts(info: dict) -> str:
+    if info.get("extra_bufts"):
+        return "on"
+    return "off (they crashed with SIGSEGV on this model)" if info.get("extra_bufts_crashed") else "off"
+
+
 def markdown(d: dict) -> str:
     lines = [
         f"# pask beside llama.cpp ({d['model']}, pask weights {d['weights']}, {d['threads']} threads)",
         "",
         f"pask's decode linears: {d['pask_decode_linears']}. llama.cpp's CPU paths from its log: "
-        f"{', '.join(d['llama_cpp'].get('paths') or ['none named'])}.",
+        f"{', '.join(d['llama_cpp'].get('paths') or ['none named'])}; its extra buffer types (AMX / repacked "
+        f"weights): {_bufts(d['llama_cpp'])}.",
         "",
     ]
     if d["speed"]:

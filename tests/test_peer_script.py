@@ -55,7 +55,7 @@ def test_without_llama_cpp_the_script_exits_2_with_the_install_command(tmp_path)
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "pip install --no-deps llama-cpp-python==0.3.36" in proc.stderr
+    assert "pip install llama-cpp-python==0.3.36 diskcache" in proc.stderr
 
 
 def test_markdown_lists_every_row():

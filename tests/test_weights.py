@@ -294,6 +294,30 @@ def test_constrained_generation_with_quantised_weights(gemv, smol):
     assert all(g.token_ids for g in gens)
 
 
+def test_value_output_norms_read_a_quantised_projection(gemv, smol):
+    """A policy that scores prompt tokens by ``‖v W_o‖₁`` (CriticalKV; PASK tables may too) runs on a
+    quantised model: the norms read the dequantised ``o_proj``, the weight its prefill multiplies by."""
+    import copy
+    import dataclasses
+
+    from pask.evaluation.run_bfcl import prepare
+    from pask.policies.factory import make_policy
+    from pask.runtime.engine import generate
+    from pask.tasks.function_calling import load_cases
+
+    q = copy.deepcopy(smol.model).bfloat16()
+    W.apply(q, "int8")
+    o_proj = q.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, W.QuantLinear)
+    assert torch.equal(W.dense_weight(o_proj), fma_bf16(o_proj.codes, o_proj.sz, o_proj.out_features))
+    plain = torch.nn.Linear(4, 2)
+    assert W.dense_weight(plain) is plain.weight and W.dense_weight(None) is None
+    lm = dataclasses.replace(smol, model=q)
+    (case,) = load_cases(["simple"], split="test", limit=1)
+    (gen,) = generate(lm, [prepare(lm, case, 12)[0]], policy=make_policy("criticalkv", 0.33))
+    assert gen.token_ids
+
+
 def test_bellows_fitting_refuses_quantised_projections(gemv):
     from types import SimpleNamespace
 

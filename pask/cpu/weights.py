@@ -156,6 +156,19 @@ class QuantLinear(torch.nn.Module):
 _SCRATCH = threading.local()
 
 
+def dense_weight(linear: torch.nn.Module) -> torch.Tensor | None:
+    """The ``[out, in]`` weight a linear layer multiplies by: an ``nn.Linear``'s own, a
+    :class:`QuantLinear`'s dequantised into a fresh bf16 tensor (bit-exact with its prefill path);
+    None for anything else. For code that reads a projection's weight (the value-output norms of
+    :mod:`pask.kv.stats`)."""
+    if isinstance(linear, QuantLinear):
+        from pask.cpu import native_gemv
+
+        return native_gemv.dequant(linear.codes, linear.sz, linear.out_features, linear.bits)
+    weight = getattr(linear, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else None
+
+
 def _scratch(rows: int, cols: int) -> torch.Tensor:
     """A bf16 ``[rows, cols]`` buffer for a prefill's dequantised weight, kept per thread and grown to
     the largest seen: a prefill then writes its weights into memory it already owns (a fresh

@@ -226,7 +226,9 @@ class StatsCollector:
                     row[w] = torch.zeros(self.num_layers, att.shape[0], p)
                 row[w][li] = att
             if self.value_norms:
-                o_proj = getattr(getattr(module, "o_proj", None), "weight", None)
+                from pask.cpu.weights import dense_weight
+
+                o_proj = dense_weight(getattr(module, "o_proj", None))  # quantised projections dequantised
                 if o_proj is None:
                     raise UnsupportedModelError(f"{type(module).__name__} has no o_proj: no value-output norms")
                 vn = value_output_norm(value[b, :, pad:], o_proj, query.shape[1])
