@@ -395,3 +395,25 @@ def test_the_kvfetch_report_pairs_partial_credit_cases_and_marks_uncounted_atten
     assert "| 2 : 1, p = 1.000 |" in row
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[9] == "–"  # attended: not counted
+    # a sweep cell that did not ask for the count but recorded attended: 0 (the older counter) shows "–";
+    # one that asked shows its count
+    for asked, shown in ((False, "–"), (True, "0.5")):
+        d = tmp_path / "m" / "ruler" / "test" / "fetch-snapkv-b0.2"
+        rows = [json.loads(line) for line in (d / "cases.jsonl").read_text().splitlines()]
+        for r in rows:
+            r["budget"]["policy"]["kvfetch"]["attended"] = 0 if not asked else 2 * (r["id"] == "c0")
+        (d / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        spec = {"policy": "fetch-snapkv", "policy_config": {"count_attended": True} if asked else {}}
+        (d / "cell.json").write_text(
+            json.dumps(
+                {
+                    "status": "done",
+                    "n_cases": 4,
+                    "spec": spec,
+                    "cell": {"model": "m", "task": "ruler", "split": "test", "policy": "fetch-snapkv", "budget": 0.2},
+                }
+            )
+        )
+        lines = "\n".join(table_fetch(collect(tmp_path))).splitlines()
+        row = next(line for line in lines if "SnapKV + KVFetch" in line)
+        assert [c.strip() for c in row.strip("|").split("|")][9] == shown

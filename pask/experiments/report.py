@@ -225,7 +225,7 @@ def read_cell(summary_path: Path, root: Path) -> CellResult | None:
         b_prompt=summary.get("measured_b_prompt"),
         b_decode=summary.get("measured_b_decode"),
         outcomes=_outcomes(cell_dir / "cases.jsonl", str(task)),
-        channel=_channel(cell_dir / "cases.jsonl") if str(policy).startswith("fetch-") else {},
+        channel=_channel(cell_dir / "cases.jsonl", _counts_attended(manifest)) if policy.startswith("fetch-") else {},
         accuracy_nonempty=summary["overall"].get("ex_nonempty_gold"),
         gold_empty=summary["overall"].get("gold_empty"),
         version=version,
@@ -261,9 +261,20 @@ def _outcomes(jsonl: Path, task: str = "") -> dict[str, float]:
     return out
 
 
-def _channel(jsonl: Path) -> dict:
+def _counts_attended(manifest: dict | None) -> bool:
+    """Whether a sweep cell ran with ``count_attended`` (its spec's policy configuration): sweep cells
+    made before the counter was optional recorded ``attended: 0`` without counting. A cell without
+    a sweep manifest (``pask eval``) records the counter only when it counted."""
+    if manifest is None:
+        return True
+    config = (manifest.get("spec") or {}).get("policy_config") or {}
+    return bool(config.get("count_attended"))
+
+
+def _channel(jsonl: Path, attended: bool = True) -> dict:
     """KVFetch's counters (``budget.policy.kvfetch`` of each row) summed over a cell's cases, with
-    ``cases`` (rows that have them) and ``fired_cases`` (rows whose pointer fired)."""
+    ``cases`` (rows that have them) and ``fired_cases`` (rows whose pointer fired); ``attended``
+    only where the cell counted it."""
     out: dict = {}
     for row in read_done(jsonl, key=lambda r: r.get("id") if isinstance(r, dict) else None).values():
         counts = ((row.get("budget") or {}).get("policy") or {}).get("kvfetch")
@@ -272,7 +283,8 @@ def _channel(jsonl: Path) -> dict:
         out["cases"] = out.get("cases", 0) + 1
         out["fired_cases"] = out.get("fired_cases", 0) + int(counts.get("fires", 0) > 0)
         for k, v in counts.items():
-            out[k] = out.get(k, 0) + int(v)
+            if k != "attended" or attended:
+                out[k] = out.get(k, 0) + int(v)
     return out
 
 
