@@ -355,17 +355,8 @@ def main() -> None:
             ids = list(chat.request.prompt_ids)
             for c in concs:
                 for kv in kvs:
-                    spec = {
-                        "mode": "speed",
-                        "gguf": gguf,
-                        "kv": kv,
-                        "threads": args.threads,
-                        "rows": c,
-                        "ctx": len(ids) + args.new_tokens,
-                        "ids": ids,
-                        "tools": chat.tools,
-                        "new_tokens": args.new_tokens,
-                    }
+                    spec = _spec("speed", gguf, kv, args.threads, c, len(ids) + args.new_tokens, ids=ids)
+                    spec.update(tools=chat.tools, new_tokens=args.new_tokens)
                     r = run_llama(spec, timeout=7200)
                     llama_info = {k: r[k] for k in ("system_info", "paths", "log_tail", "extra_bufts")}
                     llama_info["extra_bufts_crashed"] = bool(_EXTRA_BUFTS.get("crashed"))
@@ -389,6 +380,11 @@ def main() -> None:
     }
     command = "python benchmarks/peer_llamacpp.py " + shlex.join(sys.argv[1:])
     write_result(OUT / args.out, data, markdown(data), command=command, allow_dirty=args.allow_dirty)
+
+
+def _spec(mode: str, gguf: str, kv: str, threads: int, rows: int, ctx: int, **more) -> dict:
+    """A llama.cpp worker's job (:func:`llama_worker`): ``ctx`` tokens per row, ``rows`` sequences."""
+    return {"mode": mode, "gguf": gguf, "kv": kv, "threads": threads, "rows": rows, "ctx": ctx, **more}
 
 
 def _row(engine: str, setting: str, n: int, prompt: int, c: int, r: dict, held, b) -> dict:
@@ -422,16 +418,8 @@ def _accuracy(args, lm, gguf: str, kvs: list[str], policies: list[str], per_toke
     n_ctx = max(len(p["ids"]) for p in payload) + task.default_max_new_tokens
     out = []
     for kv in kvs:
-        spec = {
-            "mode": "accuracy",
-            "gguf": gguf,
-            "kv": kv,
-            "threads": args.threads,
-            "rows": 1,
-            "ctx": n_ctx,
-            "cases": payload,
-            "new_tokens": task.default_max_new_tokens,
-        }
+        spec = _spec("accuracy", gguf, kv, args.threads, 1, n_ctx, cases=payload)
+        spec["new_tokens"] = task.default_max_new_tokens
         res = run_llama(spec, timeout=7200)
         ok, ids = 0, []
         for (case, _), row in zip(reqs, res["cases"], strict=True):
