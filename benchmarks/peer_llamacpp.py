@@ -237,6 +237,7 @@ def run_llama(spec: dict, timeout: float) -> dict:
                 _EXTRA_BUFTS["ok"] = extra
                 res = json.loads(out.read_text())
                 res["extra_bufts"] = extra
+                _EXTRA_BUFTS["info"] = {k: res.get(k) for k in ("system_info", "paths", "log_tail")}
                 res["extra_bufts_crashed"] = extra is False and len(tries) == 2
                 return res
             if proc.returncode != -11 or not extra:
@@ -308,6 +309,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--bfcl", type=int, default=40, help="BFCL simple test cases for the accuracy part (0: none)")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument(
+        "--adopt-speed",
+        help="JSON lines of speed rows printed by an earlier run (kept with it under benchmarks/results/), "
+        "recorded with --adopt-version, instead of running the speed part",
+    )
+    ap.add_argument("--adopt-version", help="the code version (commit) that produced --adopt-speed's rows")
     ap.add_argument("--out", default="peer_llamacpp")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -345,6 +352,15 @@ def main() -> None:
     per_token = kv_bytes_per_token(lm.model.config, torch.bfloat16)  # bf16 K and V of every layer
     rows: list[dict] = []
     llama_info: dict = {}
+    adopted = None
+    if args.adopt_speed:
+        if not args.adopt_version:
+            ap.error("--adopt-speed needs --adopt-version (the commit that produced the rows)")
+        lines = Path(args.adopt_speed).read_text().splitlines()
+        rows = [json.loads(x) for x in lines if x.startswith('{"engine"') and '"prompt_tok_s"' in x]
+        rows = [{**r, "code_version": args.adopt_version} for r in rows]
+        adopted = {"file": args.adopt_speed, "code_version": args.adopt_version, "rows": len(rows)}
+        args.skip_speed = True
     with tempfile.TemporaryDirectory() as store_dir:
         store = PrefillStore(store_dir, lm.model)
         for n in [] if args.skip_speed else lengths:
@@ -368,12 +384,16 @@ def main() -> None:
                     rows.append(_row("pask", p, n, len(ids), c, r, r["held_bytes"], r["measured_b"]))
                     print(json.dumps(rows[-1]), flush=True)
         accuracy = _accuracy(args, lm, gguf, kvs, policies, per_token) if args.bfcl else []
+    if not llama_info and "info" in _EXTRA_BUFTS:
+        llama_info = {**_EXTRA_BUFTS["info"], "extra_bufts": _EXTRA_BUFTS.get("ok")}
+        llama_info["extra_bufts_crashed"] = bool(_EXTRA_BUFTS.get("crashed"))
     data = {
         "model": args.model,
         "weights": args.weights,
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "speed": rows,
+        "speed_adopted": adopted,
         "accuracy": accuracy,
         "llama_cpp": llama_info,
         "pask_decode_linears": decode_linears(lm.model),
@@ -449,7 +469,7 @@ def _accuracy(args, lm, gguf: str, kvs: list[str], policies: list[str], per_toke
             {
                 "engine": "pask",
                 "setting": p,
-                "accuracy": summary["overall"],
+                "accuracy": summary["overall"]["accuracy"],
                 "b": summary.get("measured_b"),
                 "cases": [[r["id"], bool(r["correct"])] for r in rows],
             }
@@ -473,6 +493,9 @@ def markdown(d: dict) -> str:
         f"weights): {_bufts(d['llama_cpp'])}.",
         "",
     ]
+    if d.get("speed_adopted"):
+        a = d["speed_adopted"]
+        lines += [f"Speed rows adopted from `{a['file']}` ({a['rows']} rows, made at {a['code_version']}).", ""]
     if d["speed"]:
         lines += [
             "| input | c | engine | KV | B | prompt tok/s | decode tok/s | KV MB | generated |",

@@ -91,6 +91,8 @@ def test_markdown_lists_every_row():
         ],
         "accuracy": [{"engine": "pask", "setting": "full", "b": 1.0, "accuracy": 85.0}],
     }
+    md = peer.markdown({**data, "speed_adopted": {"file": "f.jsonl", "rows": 2, "code_version": "abc1234"}})
+    assert "Speed rows adopted from `f.jsonl` (2 rows, made at abc1234)." in md
     md = peer.markdown(data)
     assert "| 2048 | 1 | llama.cpp | kv q4_0 | 0.281 | 900.0 | 40.00 | 3.0 | 30 |" in md
     assert "| 2048 | 1 | pask | pask@0.25 | – | 800.0 | – | – | 1 |" in md
