@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 OUT = Path(__file__).resolve().parent / "results"
 LLAMA_KV = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}  # ggml type, bytes per element
@@ -105,7 +106,6 @@ class LlamaEngine:
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context (n_ctx {n_ctx}, {n_seq} sequences, kv {kv})")
         self.mem = L.llama_get_memory(self.ctx)
-        self.n_seq = n_seq
         self.batch = L.llama_batch_init(2048, 0, 1)
 
     def close(self) -> None:
@@ -216,7 +216,10 @@ def llama_worker(spec: dict) -> dict:
     return res
 
 
-_EXTRA_BUFTS: dict[str, bool] = {}  # whether llama.cpp's extra buffer types ran (None: not tried yet)
+# What the llama.cpp runs found: "extra_bufts" (whether its extra buffer types ran; absent: not tried
+# yet), "crashed" (they crashed and the runs went on without them), "info" (the last run's system
+# info, CPU paths and log tail)
+_LLAMA: dict[str, Any] = {}
 
 
 def run_llama(spec: dict, timeout: float) -> dict:
@@ -225,7 +228,7 @@ def run_llama(spec: dict, timeout: float) -> dict:
     llama.cpp's extra buffer types (its AMX and repacked weight layouts) are tried first; a build
     whose AMX kernel crashes on this model (SIGSEGV in ``ggml_backend_amx_mul_mat``, seen with the
     Q4_K / Q6_K tensors of qwen2.5-coder-0.5b's GGUF) is rerun without them, and the result says so."""
-    tries = [_EXTRA_BUFTS["ok"]] if "ok" in _EXTRA_BUFTS else [True, False]
+    tries = [_LLAMA["extra_bufts"]] if "extra_bufts" in _LLAMA else [True, False]
     for extra in tries:
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "spec.json"
@@ -234,16 +237,14 @@ def run_llama(spec: dict, timeout: float) -> dict:
             cmd = [sys.executable, __file__, "--worker", str(path), "--worker-out", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if proc.returncode == 0:
-                _EXTRA_BUFTS["ok"] = extra
+                _LLAMA["extra_bufts"] = extra
                 res = json.loads(out.read_text())
-                res["extra_bufts"] = extra
-                _EXTRA_BUFTS["info"] = {k: res.get(k) for k in ("system_info", "paths", "log_tail")}
-                res["extra_bufts_crashed"] = extra is False and len(tries) == 2
+                _LLAMA["info"] = {k: res.get(k) for k in ("system_info", "paths", "log_tail")}
                 return res
             if proc.returncode != -11 or not extra:
                 raise RuntimeError(f"llama.cpp worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
             print("llama.cpp crashed (SIGSEGV) with its AMX / repacked weights; rerunning without them", flush=True)
-            _EXTRA_BUFTS["crashed"] = True
+            _LLAMA["crashed"] = True
     raise AssertionError("unreachable")
 
 
@@ -265,7 +266,8 @@ def pask_policy(spec: str, lm):
 
 
 def pask_speed(lm, body: dict, model: str, policy_spec: str, rows: int, new_tokens: int, store) -> dict:
-    """Prefill once (timed, stored), then ``rows`` copies decoded together (prefills from the store)."""
+    """Prefill once, computed (timed), then ``rows`` copies decoded together (the first prefill of them
+    fills the store, the others load from it)."""
     from pask.runtime.engine import run_jobs
     from pask.runtime.scheduler import Job
     from pask.serving.protocol import attach_tagging, build_chat_request
@@ -333,6 +335,8 @@ def main() -> None:
     policies = [p for p in args.policies.split(",") if p]
     if any(n < 64 for n in lengths) or any(c < 1 for c in concs) or args.new_tokens < 1 or args.threads < 1:
         ap.error("lengths >= 64, concurrency >= 1, --new-tokens >= 1, --threads >= 1")
+    if args.adopt_speed and not args.adopt_version:
+        ap.error("--adopt-speed needs --adopt-version (the commit that produced the rows)")
 
     from pask.experiments.provenance import check_clean, write_result
 
@@ -351,11 +355,8 @@ def main() -> None:
     tok = lm.tokenizer
     per_token = kv_bytes_per_token(lm.model.config, torch.bfloat16)  # bf16 K and V of every layer
     rows: list[dict] = []
-    llama_info: dict = {}
     adopted = None
     if args.adopt_speed:
-        if not args.adopt_version:
-            ap.error("--adopt-speed needs --adopt-version (the commit that produced the rows)")
         lines = Path(args.adopt_speed).read_text().splitlines()
         rows = [json.loads(x) for x in lines if x.startswith('{"engine"') and '"prompt_tok_s"' in x]
         rows = [{**r, "code_version": args.adopt_version} for r in rows]
@@ -374,8 +375,6 @@ def main() -> None:
                     spec = _spec("speed", gguf, kv, args.threads, c, len(ids) + args.new_tokens, ids=ids)
                     spec.update(tools=chat.tools, new_tokens=args.new_tokens)
                     r = run_llama(spec, timeout=7200)
-                    llama_info = {k: r[k] for k in ("system_info", "paths", "log_tail", "extra_bufts")}
-                    llama_info["extra_bufts_crashed"] = bool(_EXTRA_BUFTS.get("crashed"))
                     held = c * (len(ids) + r["generated"] // c) * per_token * LLAMA_KV[kv][1] / 2
                     rows.append(_row("llama.cpp", f"kv {kv}", n, len(ids), c, r, held, LLAMA_KV[kv][1] / 2))
                     print(json.dumps(rows[-1]), flush=True)
@@ -383,10 +382,9 @@ def main() -> None:
                     r = pask_speed(lm, body, args.model, p, c, args.new_tokens, store)
                     rows.append(_row("pask", p, n, len(ids), c, r, r["held_bytes"], r["measured_b"]))
                     print(json.dumps(rows[-1]), flush=True)
-        accuracy = _accuracy(args, lm, gguf, kvs, policies, per_token) if args.bfcl else []
-    if not llama_info and "info" in _EXTRA_BUFTS:
-        llama_info = {**_EXTRA_BUFTS["info"], "extra_bufts": _EXTRA_BUFTS.get("ok")}
-        llama_info["extra_bufts_crashed"] = bool(_EXTRA_BUFTS.get("crashed"))
+        accuracy = _accuracy(args, lm, gguf, kvs, policies) if args.bfcl else []
+    llama_info = {**_LLAMA.get("info", {}), "extra_bufts": _LLAMA.get("extra_bufts")}
+    llama_info["extra_bufts_crashed"] = bool(_LLAMA.get("crashed"))
     data = {
         "model": args.model,
         "weights": args.weights,
@@ -424,7 +422,7 @@ def _row(engine: str, setting: str, n: int, prompt: int, c: int, r: dict, held, 
     }
 
 
-def _accuracy(args, lm, gguf: str, kvs: list[str], policies: list[str], per_token: int) -> list[dict]:
+def _accuracy(args, lm, gguf: str, kvs: list[str], policies: list[str]) -> list[dict]:
     """BFCL simple, the first ``args.bfcl`` test cases: llama.cpp per KV type, pask per policy."""
     from pask.evaluation.runner import run_task
     from pask.tasks.base import Output

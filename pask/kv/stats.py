@@ -212,6 +212,7 @@ class StatsCollector:
         """Record the prefill statistics of one layer (``query [B, Hq, T, D]``, ``key/value [B, Hkv, T, D]``)."""
         cache = layer.cache
         li = layer.layer_idx
+        o_proj = None  # the output projection's weight, read (a quantised one dequantised) once per layer
         for b in range(query.shape[0]):
             if layer.seqs[b] is None:
                 continue
@@ -226,9 +227,10 @@ class StatsCollector:
                     row[w] = torch.zeros(self.num_layers, att.shape[0], p)
                 row[w][li] = att
             if self.value_norms:
-                from pask.cpu.weights import dense_weight
+                if o_proj is None:
+                    from pask.cpu.weights import dense_weight
 
-                o_proj = dense_weight(getattr(module, "o_proj", None))  # quantised projections dequantised
+                    o_proj = dense_weight(getattr(module, "o_proj", None))
                 if o_proj is None:
                     raise UnsupportedModelError(f"{type(module).__name__} has no o_proj: no value-output norms")
                 vn = value_output_norm(value[b, :, pad:], o_proj, query.shape[1])
