@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import shlex
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,15 +34,8 @@ OUT = Path(__file__).resolve().parent / "results"
 def gguf_types(name: str) -> dict[str, int]:
     import gguf
 
-    emb = M.EMBEDDED[name]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / emb.gguf_name
-        with path.open("wb") as out:
-            for part in M._part_paths(emb):
-                with part.open("rb") as f:
-                    shutil.copyfileobj(f, out)
-        reader = gguf.GGUFReader(str(path))
-        return dict(collections.Counter(t.tensor_type.name for t in reader.tensors).most_common())
+    reader = gguf.GGUFReader(str(M.embedded_gguf(name)))
+    return dict(collections.Counter(t.tensor_type.name for t in reader.tensors).most_common())
 
 
 def main() -> None:
