@@ -141,13 +141,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = False):
+def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = False, fp32: bool = False):
     """Decode attention of ``query [B, Hq, 1, D]`` (bf16) over every sequence of ``layer`` -> ``[B, 1, Hq, D]``.
 
     ``weights=True`` returns ``(out, probs)`` instead: per row (None for a dropped row) the fp32
     softmax weights ``[Hkv, n_H + n_L + n_L2]`` of its H slots, then its INT4 slots, then its INT2
     slots, averaged over the query heads of each kv head (the kernel's own weights, from its exp;
-    what :func:`explicit_decode` computes in PyTorch).
+    what :func:`explicit_decode` computes in PyTorch). ``fp32=True``: the kernel's fp32 output, not
+    rounded to the query's dtype (for error bounds).
     """
     if _LIB is None and not available():
         raise RuntimeError(f"pask native attention is {status()}")
@@ -192,7 +193,8 @@ def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = Fal
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native attention rejected the shape (Hkv {hkv}, Hq {hq}, D {d})")
-    out = out.view(bsz, 1, hq, d).to(query.dtype)
+    out = out.view(bsz, 1, hq, d)
+    out = out if fp32 else out.to(query.dtype)
     return (out, probs) if weights else out
 
 
