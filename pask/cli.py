@@ -1382,6 +1382,7 @@ def bench_serve_cmd(
     ] = 0.0,
     reference: Annotated[bool, typer.Option(help="add Full KV as the reference run (off: a soak test)")] = True,
     table: Annotated[Path | None, typer.Option(help="frozen PASK table (for pask)")] = None,
+    allow_transfer: TransferOpt = False,
     out: Annotated[Path, typer.Option(help="result stem: writes .json and .md")] = Path("benchmarks/results/serving"),
     prefill_store: Annotated[
         Path | None,
@@ -1440,7 +1441,8 @@ def bench_serve_cmd(
     _threads(threads, prefill_store)
     lm = _serving_model(model, dtype, weights)
     factories = {
-        n: serving_policy_factory(n, None if n == "full" else budget, None, table, lm.fingerprint) for n in names
+        n: serving_policy_factory(n, None if n == "full" else budget, None, table, lm.fingerprint, allow_transfer)
+        for n in names
     }
     sent = [0]
     t0 = time.perf_counter()

@@ -121,3 +121,24 @@ def test_the_checker_catches_a_server_that_keeps_cancelled_rows(smol, monkeypatc
     assert rel["verdicts"].get("held", 0) + rel["verdicts"].get("ran_on", 0) == len(rel["failed"])
     kv = next(c for c in mix["criteria"] if c["criterion"].startswith("KV freed"))
     assert kv["pass"] is False and "not freed" in kv["value"] and not mix["passed"]
+
+
+def test_bench_serve_refuses_another_models_table_unless_transfer_is_allowed(smol, monkeypatch, tmp_path):
+    """A PASK table of another model (here: qwen's, served on smollm2-135m; the same holds for a table
+    calibrated on bf16 weights served with --weights int8): exit 2 naming the flag, before any run;
+    with --allow-transfer the policy is built."""
+    import pask.cli
+    from pask.policies.table import default_table
+
+    table = default_table("qwen2.5-coder-0.5b", "bfcl", 0.33)
+    monkeypatch.setattr(pask.cli, "_serving_model", lambda model, dtype, weights: smol)
+    built = []
+    monkeypatch.setattr("pask.bench.serving.bench_serve", lambda *a, **k: built.append(a[1]) or {"policies": []})
+    args = ["bench", "serve", "--model", "smollm2-135m", "--policies", "pask", "--no-reference", "--table", str(table)]
+    args += ["--out", str(tmp_path / "r"), "--allow-dirty"]
+    res = CliRunner().invoke(app, args)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "not on this model" in text and "--allow-transfer" in text, text
+    res = CliRunner().invoke(app, [*args, "--allow-transfer"])
+    assert built and set(built[0]) == {"pask"}, res.output
