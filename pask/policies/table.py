@@ -173,10 +173,8 @@ def load(path: Path | str, fingerprint: str | None = None, allow_transfer: bool 
             f"not on this model ({fingerprint})"
         )
         if not allow_transfer:
-            raise PaskError(
-                msg
-                + "; recalibrate, or allow calibration transfer explicitly (allow_transfer=True; --allow-transfer on the command line)"
-            )
+            how = "allow_transfer=True; --allow-transfer on the command line"
+            raise PaskError(f"{msg}; recalibrate, or allow calibration transfer explicitly ({how})")
         table.warnings.append("calibration transfer: " + msg)
         _warnings.warn(table.warnings[-1], UserWarning, stacklevel=2)
     if table.calibration.get("feasible") is False and not table.calibration.get("fitted"):
