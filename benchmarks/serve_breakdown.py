@@ -70,7 +70,7 @@ def install(timers: Timers, concurrency: int) -> None:
     import torch
     from transformers.models.qwen2 import modeling_qwen2 as mq
 
-    from pask.cpu import bf16_matmul
+    from pask.cpu import bf16_matmul, weights
     from pask.kv import cache, native_attention
     from pask.runtime import masked_head
     from pask.runtime import scheduler as sched
@@ -78,6 +78,7 @@ def install(timers: Timers, concurrency: int) -> None:
     native_attention.decode_layer = timers.wrap("attention", native_attention.decode_layer)
     torch.nn.Linear.forward = timers.wrap("linear", torch.nn.Linear.forward)
     bf16_matmul._bf16_forward = timers.wrap("linear", bf16_matmul._bf16_forward)  # before the model loads
+    weights.QuantLinear.forward = timers.wrap("linear", weights.QuantLinear.forward)  # --weights int8 / int4
     masked_head.MaskedHead._forward = timers.wrap("lm_head", masked_head.MaskedHead._forward)
     sched.Scheduler._plan_head = timers.wrap("plan_head", sched.Scheduler._plan_head)
     for name in ("pick_tokens", "decide_row", "row_budget"):
