@@ -5,8 +5,8 @@
 
 For every cell of ``--cells`` holding the same case ids: accuracy of both on the shared cases, the
 discordant pairs (cases only one of the two gets right) and the exact sign test's p; also the mean
-measured B and, for BFCL, the share of single-call outputs (the parallel failure mode). SQL rows
-(no category) group by difficulty.
+measured B, the outputs identical in both (the same generated text), and for BFCL the share of
+single-call outputs (the parallel failure mode). SQL rows (no category) group by difficulty.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def compare(new_dirs: list[Path], cells: Path) -> str:
         f"New run: {', '.join(str(d) for d in new_dirs)} ({len(ids)} cases; categories {', '.join(cats)}).",
         "",
         "| cell | shared cases | new acc | cell acc | new only : cell only | sign-test p | new B | cell B "
-        "| single-call outputs new / cell |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| identical outputs | single-call outputs new / cell |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for cell in sorted(p for p in cells.iterdir() if p.is_dir()):
         old = _rows(cell)
@@ -61,11 +61,12 @@ def compare(new_dirs: list[Path], cells: Path) -> str:
         ob = [x for x in (_b(old[i]) for i in shared) if x is not None]
         single_new = sum(new[i]["output"].count('"name"') == 1 for i in shared) if calls else "-"
         single_old = sum(old[i]["output"].count('"name"') == 1 for i in shared) if calls else "-"
+        same = sum(new[i].get("output") == old[i].get("output") for i in shared)
         lines.append(
             f"| {cell.name} | {len(shared)} | {100 * a / len(shared):.2f} | {100 * b / len(shared):.2f} | "
             f"{only_a} : {only_b} | {sign_test_p(only_a, only_b):.3f} | "
             f"{sum(nb) / len(nb) if nb else float('nan'):.3f} | {sum(ob) / len(ob) if ob else float('nan'):.3f} | "
-            f"{single_new} / {single_old} |"
+            f"{same} | {single_new} / {single_old} |"
         )
     return "\n".join(lines) + "\n"
 
