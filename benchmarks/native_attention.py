@@ -12,9 +12,13 @@ outside the recent window. Per setting, medians of interleaved runs of
   with transformers' SDPA).
 
 Also the INT4 move of one token per layer group per sequence (the decode-step action), native
-vs the PyTorch path. Writes ``benchmarks/results/native_attention.{json,md}``::
+vs the PyTorch path. With ``--step-layers L`` (and ``--step-contexts``), also a decode step's
+worth of layers: L layers of their own K/V, each attended once per pass as a step does, so that
+the KV comes from memory as in serving rather than from the last-level cache one repeated layer
+fits in (the all-BF16 layer at 8k, batch 8 is 33.5 MB). Writes
+``benchmarks/results/native_attention.{json,md}``::
 
-    python benchmarks/native_attention.py --threads 2
+    python benchmarks/native_attention.py --threads 2 --step-layers 24
 """
 
 from __future__ import annotations
@@ -84,6 +88,41 @@ def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats:
     }
 
 
+def step_case(batch: int, n: int, layers: int, repeats: int) -> dict:
+    """All-H and mostly-INT4 caches of ``layers`` layers each; one pass over every layer, timed."""
+    caches = {}
+    for name in ("all H", "mostly INT4"):
+        mix = MIXES[name]
+        gen = torch.Generator().manual_seed(0)
+        cache = TieredCache(attention_config(HKV, GRP, D, layers=layers), CacheConfig(num_groups=1), batch)
+        for layer in range(layers):
+            k = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
+            cache.update(k, torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16), layer)
+        window = cache.config.recent_window
+        for b in range(batch):
+            u = torch.rand(n - window, generator=gen)
+            tier = torch.where(u < mix[0], 0, torch.where(u < mix[0] + mix[1], 1, 2))
+            for a in (Action.L, Action.R):
+                cache.apply(b, 0, torch.nonzero(tier == int(a)).flatten(), a)  # group 0: every layer
+        caches[name] = cache
+    q = torch.randn(batch, HKV * GRP, 1, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    fns = {
+        name: (lambda c=c: [na.decode_layer(c.layers[i], q, D**-0.5) for i in range(layers)])
+        for name, c in caches.items()
+    }
+    ms = median_ms(fns, repeats)
+    out = {"batch": batch, "context": n, "layers": layers, "per_layer_ms": {}, "held_mb": {}, "gb_s": {}}
+    for name, c in caches.items():
+        held, full = c.budget_bytes()
+        per_layer = ms[name] / layers
+        out["per_layer_ms"][name] = round(per_layer, 4)
+        out["held_mb"][name] = round(sum(held) / layers / 1e6, 2)
+        out["gb_s"][name] = round(sum(held) / layers / 1e6 / per_layer, 2)
+        out.setdefault("b_measured", {})[name] = round(sum(held) / sum(full), 4)
+    out["int4_vs_bf16"] = round(out["per_layer_ms"]["mostly INT4"] / out["per_layer_ms"]["all H"], 3)
+    return out
+
+
 def move_case(batch: int, n: int, steps: int) -> dict:
     """One token leaving the window per sequence and layer group (4 groups, 24 layers) per step."""
     out = {}
@@ -131,6 +170,23 @@ def markdown(r: dict) -> str:
             f"{m['sdpa_full']:.3f} | {fused} | {m['native']:.3f} | {c['native_vs_sdpa']:.2f}x | {vs_fused} | "
             f"{no_amx} | {amx} |"
         )
+    if r.get("step"):
+        lines += [
+            "",
+            "A decode step's layers: each layer its own K/V, every layer attended once per pass (per-layer time = "
+            "the pass / layers), so the KV comes from memory as in serving:",
+            "",
+            "| batch | context | layers | all-BF16 ms / layer | mostly-INT4 ms / layer | INT4 vs BF16 | MB held per "
+            "layer (BF16 / INT4) | GB/s (BF16 / INT4) | B (INT4) |",
+            "|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        ]
+        for c in r["step"]:
+            t, h, g = c["per_layer_ms"], c["held_mb"], c["gb_s"]
+            lines.append(
+                f"| {c['batch']} | {c['context']} | {c['layers']} | {t['all H']:.3f} | {t['mostly INT4']:.3f} | "
+                f"{c['int4_vs_bf16']:.2f}x | {h['all H']:.1f} / {h['mostly INT4']:.1f} | "
+                f"{g['all H']:.1f} / {g['mostly INT4']:.1f} | {c['b_measured']['mostly INT4']:.3f} |"
+            )
     mv = r["move"]
     lines += [
         "",
@@ -149,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--step-layers", type=int, default=0, help="also time a step's worth of layers (0: not)")
+    ap.add_argument("--step-contexts", type=int, nargs="+", default=[2048, 8192])
     add_allow_dirty(ap)
     args = ap.parse_args(argv)
+    if args.step_layers < 0 or args.batch < 1 or args.repeats < 1 or args.threads < 1:
+        ap.error("--step-layers >= 0, --batch, --repeats and --threads >= 1")
     check_clean(args.out, args.allow_dirty)
     if not na.available():
         print(f"native kernel {na.status()}", file=sys.stderr)
@@ -172,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             for mix in MIXES.values():
                 result["attention"].append(attention_case(args.batch, n, mix, args.repeats))
                 print(json.dumps(result["attention"][-1]), flush=True)
+        if args.step_layers:
+            result["step"] = []
+            for n in args.step_contexts:
+                result["step"].append(step_case(args.batch, n, args.step_layers, max(3, args.repeats // 4)))
+                print(json.dumps(result["step"][-1]), flush=True)
         result["move"] = move_case(args.batch, 2048, 100)
     md = markdown(result)
     write_result(args.out, result, md, command=result["command"], allow_dirty=args.allow_dirty, indent=1)
