@@ -251,18 +251,13 @@ def run_llama(spec: dict, timeout: float) -> dict:
 # -- pask side ------------------------------------------------------------------------------------
 def pask_policy(spec: str, lm):
     """``full`` / ``kivi-4`` / ``pask@B`` (the committed BFCL table of B) as a fresh KV policy."""
-    from pask.policies.factory import make_policy
+    from pask.errors import PaskError
+    from pask.policies.factory import policy_from_spec
 
-    name, _, b = spec.partition("@")
-    if name != "pask":
-        return make_policy(name, float(b) if b else None)
-    from pask.policies.pask import make_pask_policy
-    from pask.policies.table import default_table, load
-
-    path = default_table(lm.name, "bfcl", float(b))
-    if path is None:
-        raise SystemExit(f"no committed PASK table for {lm.name} at B = {b}")
-    return make_pask_policy(load(path, fingerprint=None), float(b))
+    try:  # no fingerprint check: the tables were calibrated on bf16 weights, --weights may differ
+        return policy_from_spec(spec, lm.name)
+    except PaskError as e:
+        raise SystemExit(f"peer_llamacpp: {e}") from None
 
 
 def pask_speed(lm, body: dict, model: str, policy_spec: str, rows: int, new_tokens: int, store) -> dict:

@@ -40,18 +40,13 @@ def prompt_body(lm, length: int) -> dict:
 
 def make_policy(spec: str, lm, allow_transfer: bool):
     """``full``, or ``pask@B`` with the committed BFCL table for B (any other policy name@B)."""
-    from pask.policies.factory import make_policy as factory
-    from pask.policies.pask import make_pask_policy
-    from pask.policies.table import default_table, load
+    from pask.errors import PaskError
+    from pask.policies.factory import policy_from_spec
 
-    name, _, b = spec.partition("@")
-    if name != "pask":
-        return factory(name, float(b) if b else None)
-    path = default_table(lm.name, "bfcl", float(b))
-    if path is None:
-        raise SystemExit(f"ttft: no committed PASK table for {lm.name} at B = {b}")
-    fingerprint = None if allow_transfer else lm.fingerprint
-    return make_pask_policy(load(path, fingerprint=fingerprint, allow_transfer=allow_transfer), float(b))
+    try:
+        return policy_from_spec(spec, lm.name, None if allow_transfer else lm.fingerprint, allow_transfer)
+    except PaskError as e:
+        raise SystemExit(f"ttft: {e}") from None
 
 
 def prefill_ms(lm, body: dict, policy, store) -> tuple[float, float | None]:

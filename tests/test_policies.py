@@ -565,3 +565,19 @@ def test_prompt_shorter_than_the_observation_window(smol, name):
 
     res = decode_with_policy(smol.model, [list(range(20, 30))], get_policy(name, budget=0.5), 12)
     assert len(res.tokens[0]) == 12
+
+
+def test_policy_from_spec_names_budgets_and_committed_tables():
+    from pask.policies.factory import policy_from_spec
+
+    assert policy_from_spec("full", "qwen2.5-coder-0.5b") is None  # Full KV: DynamicCache
+    assert isinstance(policy_from_spec("kivi-4@0.33", "qwen2.5-coder-0.5b"), KIVIPolicy)
+    pask = policy_from_spec("pask@0.33", "qwen2.5-coder-0.5b")
+    assert type(pask).__name__ == "PaskPolicy"
+    for spec, words in [
+        ("pask", "needs a budget"),
+        ("pask@x", "must be a number"),
+        ("pask@0.77", "no committed PASK bfcl table"),
+    ]:
+        with pytest.raises(PaskError, match=words):
+            policy_from_spec(spec, "qwen2.5-coder-0.5b")

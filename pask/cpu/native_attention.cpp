@@ -1074,6 +1074,21 @@ inline void key_code_tiles(const uint8_t* rows, uint16_t (*b)[QG / 2][32], __m51
   }
 }
 
+// C tiles 4..7 += A (tile 0) x the four B tiles b (B tile k into C tile 4 + k): with a0 / a1
+// non-null, A is loaded from a0 for tiles 4, 5 and from a1 for tiles 6, 7 (two K chunks).
+inline void four_tile_products(const uint16_t (*b)[QG / 2][32], const void* a0 = nullptr, const void* a1 = nullptr) {
+  if (a0 != nullptr) _tile_loadd(0, a0, 64);
+  _tile_loadd(2, b[0], 64);
+  _tile_loadd(3, b[1], 64);
+  _tile_dpbf16ps(4, 0, 2);
+  _tile_dpbf16ps(5, 0, 3);
+  if (a1 != nullptr) _tile_loadd(0, a1, 64);
+  _tile_loadd(2, b[2], 64);
+  _tile_loadd(3, b[3], 64);
+  _tile_dpbf16ps(6, 0, 2);
+  _tile_dpbf16ps(7, 0, 3);
+}
+
 void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h) {
   const int D = st.D, grp = st.grp, G = st.G;
   const int64_t cap = s.lcap, nb = (s.ln + BT - 1) / BT, lp = nb * BT;
@@ -1110,14 +1125,7 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
           _tile_zero(5);
           _tile_zero(6);
           _tile_zero(7);
-          _tile_loadd(2, b[i][0], 64);
-          _tile_loadd(3, b[i][1], 64);
-          _tile_dpbf16ps(4, 0, 2);
-          _tile_dpbf16ps(5, 0, 3);
-          _tile_loadd(2, b[i][2], 64);
-          _tile_loadd(3, b[i][3], 64);
-          _tile_dpbf16ps(6, 0, 2);
-          _tile_dpbf16ps(7, 0, 3);
+          four_tile_products(b[i]);
           _tile_stored(4, &cs[i][0][0], BT * 4);
           _tile_stored(5, &cs[i][0][16], BT * 4);
           _tile_stored(6, &cs[i][0][32], BT * 4);
@@ -1195,18 +1203,7 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
             _mm512_store_si512(b[i][2 * k + 1][2 * t4 + 1], _mm512_permutexvar_epi16(_mm512_srli_epi16(y1, 4), table));
           }
       }
-      for (int i = 0; i < nc; ++i) {
-        _tile_loadd(0, aw[i][0], 64);
-        _tile_loadd(2, b[i][0], 64);
-        _tile_loadd(3, b[i][1], 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_loadd(0, aw[i][1], 64);
-        _tile_loadd(2, b[i][2], 64);
-        _tile_loadd(3, b[i][3], 64);
-        _tile_dpbf16ps(6, 0, 2);
-        _tile_dpbf16ps(7, 0, 3);
-      }
+      for (int i = 0; i < nc; ++i) four_tile_products(b[i], aw[i][0], aw[i][1]);
     }
     alignas(64) float ce[2][MAXR][16], co[2][MAXR][16];
     _tile_stored(4, ce[0], 64);

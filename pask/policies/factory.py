@@ -113,3 +113,26 @@ def make_policy(name: str, budget: float | None, config: str | None = None, task
         return get_policy(name, **kwargs)
     except TypeError as e:
         raise PaskError(f"bad configuration for policy '{name}': {e}") from None
+
+
+def policy_from_spec(
+    spec: str, model: str, fingerprint: str | None = None, allow_transfer: bool = False, task: str = "bfcl"
+):
+    """A policy from ``NAME`` or ``NAME@B`` (as the benchmark scripts take them); ``pask@B`` loads the
+    committed ``task`` table of ``model`` at B, checked against ``fingerprint`` (None: unchecked)."""
+    name, _, b = spec.partition("@")
+    try:
+        budget = float(b) if b else None
+    except ValueError:
+        raise PaskError(f"{spec!r}: the budget after @ must be a number") from None
+    if name != "pask":
+        return make_policy(name, budget, task=task)
+    if budget is None:
+        raise PaskError(f"{spec!r}: pask needs a budget, pask@B")
+    from pask.policies.pask import make_pask_policy
+    from pask.policies.table import default_table, load
+
+    path = default_table(model, task, budget)
+    if path is None:
+        raise PaskError(f"no committed PASK {task} table for {model} at B = {budget}")
+    return make_pask_policy(load(path, fingerprint=fingerprint, allow_transfer=allow_transfer), budget)
