@@ -486,7 +486,6 @@ inline void split_bf16(const float* x, uint16_t* hi, uint16_t* lo) {
   _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
 }
 
-
 // x[0..32) fp32 -> hi, lo bf16 rows with x ~= hi + lo, hi truncated (x's upper halves, one word
 // permute) and lo = bf16(x - hi) (error <= 2^-16 |x|; split_bf16's rounded hi: 2^-17, in more shuffles)
 inline void split_bf16_trunc(const float* x, uint16_t* hi, uint16_t* lo) {
@@ -899,6 +898,14 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
 // One online-softmax step for a whole stream of n slots: S holds grp rows of lp (>= n, a multiple
 // of 16) scores, 64-byte aligned; the running state is rescaled at most once; S becomes the
 // weights (0 from n on); the scores go to the trace first where one is kept.
+// The largest of s[0..n).
+inline float stream_max(const float* s, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t t0 = 0; t0 < n; t0 += 16)
+    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, State::tail(static_cast<int>(std::min<int64_t>(16, n - t0)), 0), s + t0));
+  return _mm512_reduce_max_ps(mv);
+}
+
 // rowmax (may be null): each row's largest score over its n slots, where the caller has it.
 void absorb_rows(State& st, float* S, int64_t lp, int64_t n, const float* rowmax = nullptr) {
   if (st.trace != nullptr) {
@@ -907,14 +914,7 @@ void absorb_rows(State& st, float* S, int64_t lp, int64_t n, const float* rowmax
   }
   for (int r = 0; r < st.grp; ++r) {
     float* sr = S + r * lp;
-    float top = rowmax != nullptr ? rowmax[r] : -INFINITY;
-    if (rowmax == nullptr) {
-      __m512 mv = _mm512_set1_ps(-INFINITY);
-      for (int64_t t0 = 0; t0 < n; t0 += 16)
-        mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, State::tail(static_cast<int>(std::min<int64_t>(16, n - t0)), 0), sr + t0));
-      top = _mm512_reduce_max_ps(mv);
-    }
-    const float mn = std::max(st.m[r], top);
+    const float mn = std::max(st.m[r], rowmax != nullptr ? rowmax[r] : stream_max(sr, n));
     if (mn == -INFINITY) {
       std::fill(sr, sr + lp, 0.0f);
       continue;
@@ -1052,14 +1052,11 @@ void h_stream_amx(State& st, const uint16_t* qb, float scaling, const Seq& s, in
 // tile loaded once per group), into a per-task buffer, with each row's max over the tier; (2) one
 // softmax step for the whole tier (the running state rescaled at most once), then the values group
 // by group with the accumulators kept in tiles across blocks and stored once. Needs 2 grp <= MAXR
-// (hi / lo rows stacked). Both passes work on LB blocks at a time, in phases (every block's B tiles
-// written, then the tile products, then the C tiles read back). The code products stay on
+// (hi / lo rows stacked). The code products stay on
 // AMX-BF16 with the query and the weights as hi / lo bf16 pairs. An AMX-INT8 path (query as hi / lo
 // bytes: 1 / 65024 of its largest value, against bf16 pairs' 2^-17 of each value; codes as bytes,
 // one byte permute per four dims x 32 slots) was tried and not kept: a few per cent faster, an order
 // of magnitude less exact (docs/kernels.md).
-constexpr int LB = 4;
-
 // B tiles of one block and group of blocked INT4 key codes: b[k][p] = slots 16k .. 16k + 15 of
 // dims 2p, 2p + 1 (bf16 pairs)
 inline void key_code_tiles(const uint8_t* rows, uint16_t (*b)[QG / 2][32], __m512i table, __m512i lo16,
@@ -1101,8 +1098,8 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
   float* S = scratch_rows(grp, lp, 0);
   const __m512i table = code_table();
   const __m512i p0 = kSlots0.load(), p1 = kSlots1.load();
-  alignas(64) uint16_t aw[LB][2][MAXR][32];    // A (values): [block][K chunk][hi rows, lo rows][32]
-  alignas(64) uint16_t b[LB][4][QG / 2][32];   // B: four 16-row tiles per block
+  alignas(64) uint16_t aw[2][MAXR][32];   // A (values): [K chunk][hi rows, lo rows][32]
+  alignas(64) uint16_t b[4][QG / 2][32];  // B: four 16-row tiles
   alignas(64) float scl[BT], off[BT], vsf[BT], vzf[BT];
   __m512 mx[MAXR];
   alignas(64) float top[MAXR];
@@ -1111,50 +1108,43 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
   {
     const __m512i lo16 = kRows0.load(), hi16 = kRows1.load();
     alignas(64) uint16_t a[2][MAXR][32];   // A: the query's group, hi rows over lo rows
-    alignas(64) float cs[LB][MAXR][BT];    // C: scores of a block and group
+    alignas(64) float cs[MAXR][BT];        // C: scores of one block and group
     for (int r = 0; r < grp; ++r) mx[r] = _mm512_set1_ps(-INFINITY);
     for (int g = 0; g < G; ++g) {
       for (int r = 0; r < grp; ++r) split_bf16(qs[r] + g * QG, a[0][r], a[0][grp + r]);
       _tile_loadd(0, a[0], 64);
-      for (int64_t b0 = 0; b0 < nb; b0 += LB) {
-        const int nc = static_cast<int>(std::min<int64_t>(LB, nb - b0));
-        for (int i = 0; i < nc; ++i)  // rows d, d + 1: 64 adjacent bytes
-          key_code_tiles(KQ + ((b0 + i) * D + g * QG) * (BT / 2), b[i], table, lo16, hi16);
-        for (int i = 0; i < nc; ++i) {
-          _tile_zero(4);
-          _tile_zero(5);
-          _tile_zero(6);
-          _tile_zero(7);
-          four_tile_products(b[i]);
-          _tile_stored(4, &cs[i][0][0], BT * 4);
-          _tile_stored(5, &cs[i][0][16], BT * 4);
-          _tile_stored(6, &cs[i][0][32], BT * 4);
-          _tile_stored(7, &cs[i][0][48], BT * 4);
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        key_code_tiles(KQ + (blk * D + g * QG) * (BT / 2), b, table, lo16, hi16);  // rows d, d + 1: 64 bytes
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        four_tile_products(b);
+        _tile_stored(4, &cs[0][0], BT * 4);
+        _tile_stored(5, &cs[0][16], BT * 4);
+        _tile_stored(6, &cs[0][32], BT * 4);
+        _tile_stored(7, &cs[0][48], BT * 4);
+        // (scale, zero) bf16 pairs -> scale, zero - 8 scale; whole block: slots past ln hold finite data
+        const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + blk * BT) * 2;
+        for (int c = 0; c < 4; ++c) {
+          const __m512i w = _mm512_loadu_si512(sz + 32 * c);
+          const __m512 sc16 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+          const __m512 z16 =
+              _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+          _mm512_store_ps(scl + 16 * c, sc16);
+          _mm512_store_ps(off + 16 * c, _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sc16, z16));
         }
-        for (int i = 0; i < nc; ++i) {
-          const int64_t blk = b0 + i;
-          // (scale, zero) bf16 pairs -> scale, zero - 8 scale; whole block: slots past ln hold finite data
-          const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + blk * BT) * 2;
+        const int live = static_cast<int>(std::min<int64_t>(BT, s.ln - blk * BT));
+        for (int r = 0; r < grp; ++r) {
+          const __m512 qg = _mm512_set1_ps(qsum[g][r]);
+          float* sr = S + r * lp + blk * BT;
           for (int c = 0; c < 4; ++c) {
-            const __m512i w = _mm512_loadu_si512(sz + 32 * c);
-            const __m512 sc16 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            const __m512 z16 =
-                _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-            _mm512_store_ps(scl + 16 * c, sc16);
-            _mm512_store_ps(off + 16 * c, _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sc16, z16));
-          }
-          const int live = static_cast<int>(std::min<int64_t>(BT, s.ln - blk * BT));
-          for (int r = 0; r < grp; ++r) {
-            const __m512 qg = _mm512_set1_ps(qsum[g][r]);
-            float* sr = S + r * lp + blk * BT;
-            for (int c = 0; c < 4; ++c) {
-              const __m512 dot = _mm512_add_ps(_mm512_load_ps(cs[i][r] + 16 * c), _mm512_load_ps(cs[i][grp + r] + 16 * c));
-              const __m512 prev = g == 0 ? _mm512_set1_ps(cst[r]) : _mm512_load_ps(sr + 16 * c);
-              const __m512 x = _mm512_fmadd_ps(_mm512_load_ps(off + 16 * c), qg, prev);
-              const __m512 y = _mm512_fmadd_ps(_mm512_load_ps(scl + 16 * c), dot, x);
-              _mm512_store_ps(sr + 16 * c, y);
-              if (g == G - 1) mx[r] = _mm512_mask_max_ps(mx[r], State::tail(live, c), mx[r], y);
-            }
+            const __m512 dot = _mm512_add_ps(_mm512_load_ps(cs[r] + 16 * c), _mm512_load_ps(cs[grp + r] + 16 * c));
+            const __m512 prev = g == 0 ? _mm512_set1_ps(cst[r]) : _mm512_load_ps(sr + 16 * c);
+            const __m512 x = _mm512_fmadd_ps(_mm512_load_ps(off + 16 * c), qg, prev);
+            const __m512 y = _mm512_fmadd_ps(_mm512_load_ps(scl + 16 * c), dot, x);
+            _mm512_store_ps(sr + 16 * c, y);
+            if (g == G - 1) mx[r] = _mm512_mask_max_ps(mx[r], State::tail(live, c), mx[r], y);
           }
         }
       }
@@ -1171,39 +1161,36 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    for (int64_t b0 = 0; b0 < nb; b0 += LB) {
-      const int nc = static_cast<int>(std::min<int64_t>(LB, nb - b0));
-      for (int i = 0; i < nc; ++i) {
-        const int64_t base = static_cast<int64_t>(g) * cap + (b0 + i) * BT;
-        for (int c = 0; c < BT / 16; ++c) {
-          _mm512_store_ps(vsf + 16 * c, bf16x16(VS + base + 16 * c));
-          _mm512_store_ps(vzf + 16 * c, bf16x16(VZ + base + 16 * c));
-        }
-        for (int r = 0; r < grp; ++r) {
-          alignas(64) float w[BT];
-          const float* pr = S + r * lp + (b0 + i) * BT;
-          for (int c = 0; c < BT / 16; ++c) {
-            const __m512 p = _mm512_load_ps(pr + 16 * c);
-            _mm512_store_ps(w + 16 * c, _mm512_mul_ps(p, _mm512_load_ps(vsf + 16 * c)));
-            zv[r] = _mm512_fmadd_ps(p, _mm512_load_ps(vzf + 16 * c), zv[r]);
-          }
-          split_bf16_trunc(w, aw[i][0][r], aw[i][0][grp + r]);
-          split_bf16_trunc(w + 32, aw[i][1][r], aw[i][1][grp + r]);
-        }
-        const uint8_t* vq = VQ + base * (QG / 2);
-        for (int k = 0; k < 2; ++k)
-          for (int t4 = 0; t4 < 8; ++t4) {  // slots 32k + 4 t4 .. + 3: 64 adjacent bytes
-            // one byte permute per slot pair serves both nibbles: the word's low byte is the code
-            // byte; vpermw reads its bits 0..4 (bit 4 ignored by the table's repeat)
-            const __m512i x = _mm512_loadu_si512(vq + (32 * k + 4 * t4) * (QG / 2));
-            const __m512i y0 = _mm512_permutexvar_epi8(p0, x), y1 = _mm512_permutexvar_epi8(p1, x);
-            _mm512_store_si512(b[i][2 * k][2 * t4], _mm512_permutexvar_epi16(y0, table));  // even dims
-            _mm512_store_si512(b[i][2 * k][2 * t4 + 1], _mm512_permutexvar_epi16(y1, table));
-            _mm512_store_si512(b[i][2 * k + 1][2 * t4], _mm512_permutexvar_epi16(_mm512_srli_epi16(y0, 4), table));
-            _mm512_store_si512(b[i][2 * k + 1][2 * t4 + 1], _mm512_permutexvar_epi16(_mm512_srli_epi16(y1, 4), table));
-          }
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int64_t base = static_cast<int64_t>(g) * cap + blk * BT;
+      for (int c = 0; c < BT / 16; ++c) {
+        _mm512_store_ps(vsf + 16 * c, bf16x16(VS + base + 16 * c));
+        _mm512_store_ps(vzf + 16 * c, bf16x16(VZ + base + 16 * c));
       }
-      for (int i = 0; i < nc; ++i) four_tile_products(b[i], aw[i][0], aw[i][1]);
+      for (int r = 0; r < grp; ++r) {
+        alignas(64) float w[BT];
+        const float* pr = S + r * lp + blk * BT;
+        for (int c = 0; c < BT / 16; ++c) {
+          const __m512 p = _mm512_load_ps(pr + 16 * c);
+          _mm512_store_ps(w + 16 * c, _mm512_mul_ps(p, _mm512_load_ps(vsf + 16 * c)));
+          zv[r] = _mm512_fmadd_ps(p, _mm512_load_ps(vzf + 16 * c), zv[r]);
+        }
+        split_bf16_trunc(w, aw[0][r], aw[0][grp + r]);
+        split_bf16_trunc(w + 32, aw[1][r], aw[1][grp + r]);
+      }
+      const uint8_t* vq = VQ + base * (QG / 2);
+      for (int k = 0; k < 2; ++k)
+        for (int t4 = 0; t4 < 8; ++t4) {  // slots 32k + 4 t4 .. + 3: 64 adjacent bytes
+          // one byte permute per slot pair serves both nibbles: the word's low byte is the code
+          // byte; vpermw reads its bits 0..4 (bit 4 ignored by the table's repeat)
+          const __m512i x = _mm512_loadu_si512(vq + (32 * k + 4 * t4) * (QG / 2));
+          const __m512i y0 = _mm512_permutexvar_epi8(p0, x), y1 = _mm512_permutexvar_epi8(p1, x);
+          _mm512_store_si512(b[2 * k][2 * t4], _mm512_permutexvar_epi16(y0, table));  // even dims
+          _mm512_store_si512(b[2 * k][2 * t4 + 1], _mm512_permutexvar_epi16(y1, table));
+          _mm512_store_si512(b[2 * k + 1][2 * t4], _mm512_permutexvar_epi16(_mm512_srli_epi16(y0, 4), table));
+          _mm512_store_si512(b[2 * k + 1][2 * t4 + 1], _mm512_permutexvar_epi16(_mm512_srli_epi16(y1, 4), table));
+        }
+      four_tile_products(b, aw[0], aw[1]);
     }
     alignas(64) float ce[2][MAXR][16], co[2][MAXR][16];
     _tile_stored(4, ce[0], 64);
