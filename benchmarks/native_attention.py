@@ -44,18 +44,26 @@ HKV, GRP, D = 2, 7, 64
 MIXES = {"all H": (1.0, 0.0, 0.0), "H/L/R thirds": (0.34, 0.33, 0.33), "mostly INT4": (0.05, 0.9, 0.05)}
 
 
-def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    cache = TieredCache(attention_config(HKV, GRP, D), CacheConfig(num_groups=1), batch)
-    k = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
-    cache.update(k, v, 0)
+def tiered_cache(batch: int, n: int, mix: tuple[float, float, float], gen, layers: int = 1):
+    """A cache of ``layers`` layers of random bf16 K/V, tiers drawn per token from ``mix`` (H, L, R)
+    outside the recent window (the same for every layer: one layer group); also the last layer's K, V."""
+    cache = TieredCache(attention_config(HKV, GRP, D, layers=layers), CacheConfig(num_groups=1), batch)
+    for layer in range(layers):
+        k = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
+        v = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
+        cache.update(k, v, layer)
     window = cache.config.recent_window
     for b in range(batch):
         u = torch.rand(n - window, generator=gen)
         tier = torch.where(u < mix[0], 0, torch.where(u < mix[0] + mix[1], 1, 2))
         for a in (Action.L, Action.R):
             cache.apply(b, 0, torch.nonzero(tier == int(a)).flatten(), a)
+    return cache, k, v
+
+
+def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    cache, k, v = tiered_cache(batch, n, mix, gen)
     layer = cache.layers[0]
     q = torch.randn(batch, HKV * GRP, 1, D, generator=gen).to(torch.bfloat16)
     fns = {
@@ -90,21 +98,10 @@ def attention_case(batch: int, n: int, mix: tuple[float, float, float], repeats:
 
 def step_case(batch: int, n: int, layers: int, repeats: int) -> dict:
     """All-H and mostly-INT4 caches of ``layers`` layers each; one pass over every layer, timed."""
-    caches = {}
-    for name in ("all H", "mostly INT4"):
-        mix = MIXES[name]
-        gen = torch.Generator().manual_seed(0)
-        cache = TieredCache(attention_config(HKV, GRP, D, layers=layers), CacheConfig(num_groups=1), batch)
-        for layer in range(layers):
-            k = torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16)
-            cache.update(k, torch.randn(batch, HKV, n, D, generator=gen).to(torch.bfloat16), layer)
-        window = cache.config.recent_window
-        for b in range(batch):
-            u = torch.rand(n - window, generator=gen)
-            tier = torch.where(u < mix[0], 0, torch.where(u < mix[0] + mix[1], 1, 2))
-            for a in (Action.L, Action.R):
-                cache.apply(b, 0, torch.nonzero(tier == int(a)).flatten(), a)  # group 0: every layer
-        caches[name] = cache
+    caches = {
+        name: tiered_cache(batch, n, MIXES[name], torch.Generator().manual_seed(0), layers)[0]
+        for name in ("all H", "mostly INT4")
+    }
     q = torch.randn(batch, HKV * GRP, 1, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     fns = {
         name: (lambda c=c: [na.decode_layer(c.layers[i], q, D**-0.5) for i in range(layers)])
