@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -332,6 +333,8 @@ def main() -> None:
         ap.error("lengths >= 64, concurrency >= 1, --new-tokens >= 1, --threads >= 1")
     if args.adopt_speed and not args.adopt_version:
         ap.error("--adopt-speed needs --adopt-version (the commit that produced the rows)")
+    if os.environ.get("PASK_PREFILL_STORE", "").strip():  # pask's timed prefill would load from it
+        ap.error("unset $PASK_PREFILL_STORE: pask's timed prefill must be computed (the script keeps its own store)")
 
     from pask.experiments.provenance import check_clean, write_result
 

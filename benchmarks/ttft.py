@@ -21,6 +21,7 @@ Writes ``benchmarks/results/ttft.{json,md}`` (``--out``) with provenance.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import statistics
 import sys
@@ -141,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = [s.strip() for s in a.policies.split(",") if s.strip()]
     if not lengths or min(lengths) < 64 or not specs or a.repeats < 1 or a.threads < 1:
         ap.error("--lengths >= 64 each, at least one policy, --repeats >= 1 and --threads >= 1")
+    if os.environ.get("PASK_PREFILL_STORE", "").strip():  # run_jobs would load the "computed" prefills from it
+        ap.error(
+            "unset $PASK_PREFILL_STORE: the computed setting must compute its prefills (the script keeps its own store)"
+        )
     check_clean(a.out, a.allow_dirty)
     import torch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,14 @@ def test_bad_arguments_exit_2_before_the_model_loads(args, words):
     res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert words in res.stderr
+
+
+def test_a_prefill_store_in_the_environment_is_refused(tmp_path):
+    """run_jobs would load the computed setting's prefills from $PASK_PREFILL_STORE."""
+    env = {**os.environ, "PASK_PREFILL_STORE": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "unset $PASK_PREFILL_STORE" in res.stderr
 
 
 def test_markdown_gives_the_overhead_against_the_first_policy():
