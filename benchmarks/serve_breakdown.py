@@ -70,7 +70,7 @@ def install(timers: Timers, concurrency: int) -> None:
     import torch
     from transformers.models.qwen2 import modeling_qwen2 as mq
 
-    from pask.cpu import bf16_matmul, weights
+    from pask.cpu import bf16_matmul, native_norm, weights
     from pask.kv import cache, native_attention
     from pask.runtime import masked_head
     from pask.runtime import scheduler as sched
@@ -85,6 +85,7 @@ def install(timers: Timers, concurrency: int) -> None:
         setattr(sched, name, timers.wrap(name, getattr(sched, name)))
     cache.TieredCache.update = timers.wrap("cache_update", cache.TieredCache.update)
     mq.Qwen2RMSNorm.forward = timers.wrap("rmsnorm", mq.Qwen2RMSNorm.forward)
+    native_norm.NativeRMSNorm.forward = timers.wrap("rmsnorm", native_norm.NativeRMSNorm.forward)
     mq.apply_rotary_pos_emb = timers.wrap("rotary", mq.apply_rotary_pos_emb)
     mq.Qwen2Model.forward = timers.wrap("forward", mq.Qwen2Model.forward)
     step = sched.Scheduler.step

@@ -131,7 +131,7 @@ def machine() -> dict:
     BF16 arithmetic and AMX, the bf16 matmul mode and the native kernels (status, instruction set)."""
     import torch
 
-    from pask.cpu import bf16_matmul, native_gemv
+    from pask.cpu import bf16_matmul, native_gemv, native_norm
     from pask.kv import native_attention
     from pask.runtime import prefill_store
 
@@ -158,6 +158,7 @@ def machine() -> dict:
         "native_attention_isa": native_attention.isa(),
         "native_gemv": native_gemv.status(),
         "native_gemv_isa": native_gemv.isa(),
+        "native_norm": native_norm.status() if native_norm.enabled() else f"off ({native_norm.ENV}=0)",
         "prefill_store": bool(os.environ.get(prefill_store.ENV, "").strip()),  # prefills reused across runs
     }
 
@@ -185,6 +186,8 @@ def machine_line(m: dict | str | None) -> str:
         f"native attention {kernel(m.get('native_attention'), m.get('native_attention_isa'))}",
         f"native GEMV {kernel(m.get('native_gemv'), m.get('native_gemv_isa'))}",
     ]
+    if m.get("native_norm") is not None:  # records before the native RMSNorm have none
+        parts.append(f"native RMSNorm {m['native_norm']}")
     return ", ".join(parts)
 
 
