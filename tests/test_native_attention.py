@@ -547,3 +547,39 @@ def test_int4_tier_error_is_bounded_in_fp32(native, shape, lengths, mix, seed, k
             assert err <= 2.5e-4 * scale, (amx, err / scale)
     finally:
         na.use_amx(True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    heads=st.integers(1, 4),
+    n=st.integers(1, 300),
+    d=st.sampled_from([8, 24, 32, 64, 128]),  # 16-channel vectors and the scalar loop
+    spare=st.integers(0, 20),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    nan=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_key_range_is_the_pytorch_amax_and_amin(native, heads, n, d, spare, scale, nan, seed):
+    """The key balance's per-channel range from the native kernel: the same fp32 values (NaN where
+    a channel holds one) as ``keys.float().amax(1) / amin(1)``, also on an H-tier view with spare slots."""
+    from pask.kv.storage import key_balance
+
+    gen = torch.Generator().manual_seed(seed)
+    tier = (torch.randn(heads, n + spare, d, generator=gen) * scale).bfloat16()
+    if nan:
+        tier[heads - 1, n // 2, d // 3] = float("nan")
+    keys = tier[:, :n]  # the H tier's view: rows contiguous per head, heads (n + spare) rows apart
+    hi, lo = na.key_range(keys)
+    k = keys.float()
+    assert torch.equal(hi.nan_to_num(7.0), k.amax(1).nan_to_num(7.0))
+    assert torch.equal(lo.nan_to_num(7.0), k.amin(1).nan_to_num(7.0))
+    assert torch.equal(hi.isnan(), k.amax(1).isnan()) and torch.equal(lo.isnan(), k.amin(1).isnan())
+    want, got = key_balance(keys, native=False), key_balance(keys)
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_key_range_declines_what_it_does_not_serve(native):
+    assert na.key_range(torch.randn(2, 5, 64)) is None  # fp32
+    assert na.key_range(torch.randn(2, 5, 64).bfloat16().transpose(1, 2)) is None  # rows not contiguous
+    assert na.key_range(torch.randn(2, 5, 256).bfloat16()) is None  # head_dim past the kernel's
+    assert na.key_range(torch.zeros(2, 0, 64, dtype=torch.bfloat16)) is None  # no tokens

@@ -1723,4 +1723,63 @@ int pask_append_h(int64_t rows, int hkv, int D, const void* k, const void* v, vo
   return 0;
 }
 
+// Per-channel range of a store's keys for the key balance (pask.kv.storage.key_balance):
+// hi[h][d] = max, lo[h][d] = min over the n tokens of k [hkv][.][D] (bf16, head h at k + h * head_stride),
+// as fp32; a NaN in a channel makes both NaN (PyTorch's amax / amin propagate it). Exact: no arithmetic.
+int pask_key_range(int hkv, int64_t n, int D, const void* k, int64_t head_stride, float* hi, float* lo) {
+  if (hkv < 1 || n < 1 || D < 1 || D > MAXD) return -1;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {  // one pass over the rows, 16 channels per vector; NaNs tracked by an unordered compare
+    const int nv = D / 16;
+    for (int h = 0; h < hkv; ++h) {
+      const uint16_t* K = static_cast<const uint16_t*>(k) + h * head_stride;
+      auto load = [&](int64_t t, int v) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(K + t * D + v * 16));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      };
+      __m512 mx[MAXD / 16], mn[MAXD / 16];
+      __mmask16 nan[MAXD / 16];
+      for (int v = 0; v < nv; ++v) {
+        mx[v] = mn[v] = load(0, v);
+        nan[v] = _mm512_cmp_ps_mask(mx[v], mx[v], _CMP_UNORD_Q);
+      }
+      for (int64_t t = 1; t < n; ++t)
+        for (int v = 0; v < nv; ++v) {
+          const __m512 x = load(t, v);
+          mx[v] = _mm512_max_ps(mx[v], x);
+          mn[v] = _mm512_min_ps(mn[v], x);
+          nan[v] |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        }
+      const __m512 qnan = _mm512_set1_ps(NAN);
+      for (int v = 0; v < nv; ++v) {
+        _mm512_storeu_ps(hi + h * D + v * 16, _mm512_mask_mov_ps(mx[v], nan[v], qnan));
+        _mm512_storeu_ps(lo + h * D + v * 16, _mm512_mask_mov_ps(mn[v], nan[v], qnan));
+      }
+    }
+    return 0;
+  }
+#endif
+  for (int h = 0; h < hkv; ++h) {
+    const uint16_t* K = static_cast<const uint16_t*>(k) + h * head_stride;
+    float mx[MAXD], mn[MAXD];
+    bool nan[MAXD] = {};
+    for (int d = 0; d < D; ++d) mx[d] = mn[d] = bf2f(K[d]);
+    for (int64_t t = 1; t < n; ++t) {
+      const uint16_t* row = K + t * D;
+      for (int d = 0; d < D; ++d) {
+        const float x = bf2f(row[d]);
+        mx[d] = x > mx[d] ? x : mx[d];
+        mn[d] = x < mn[d] ? x : mn[d];
+        nan[d] |= x != x;
+      }
+    }
+    for (int d = 0; d < D; ++d) {
+      const bool bad = nan[d] || mx[d] != mx[d];
+      hi[h * D + d] = bad ? NAN : mx[d];
+      lo[h * D + d] = bad ? NAN : mn[d];
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"

@@ -64,6 +64,9 @@ def _load() -> ctypes.CDLL:
     a = lib.pask_append_h
     a.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, i64, i64]
     a.restype = ctypes.c_int
+    r = lib.pask_key_range
+    r.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, vp, ctypes.c_int64, vp, vp]
+    r.restype = ctypes.c_int
     lib.pask_attention_isa.restype = ctypes.c_char_p
     lib.pask_attention_use_amx.argtypes = [ctypes.c_int]
     lib.pask_attention_use_amx.restype = ctypes.c_int
@@ -267,6 +270,23 @@ def append_h(stores: list, k: torch.Tensor, v: torch.Tensor) -> bool:
     for st in live:
         st.h.commit(1)
     return True
+
+
+def key_range(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-channel max and min ``[Hkv, D]`` (fp32) of ``keys [Hkv, n, D]`` (bf16, each head's rows
+    contiguous, as the H tier's view), the same values as ``keys.float().amax(1)`` / ``amin(1)``
+    without the fp32 copy; None where it does not apply (the caller then takes PyTorch's)."""
+    if not (keys.dtype == torch.bfloat16 and keys.dim() == 3 and keys.device.type == "cpu" and keys.shape[1] > 0):
+        return None
+    heads, n, d = keys.shape
+    if d > MAX_DIM or keys.stride(2) != 1 or keys.stride(1) != d or not available():
+        return None
+    hi = torch.empty(heads, d, dtype=torch.float32)
+    lo = torch.empty(heads, d, dtype=torch.float32)
+    rc = _LIB.pask_key_range(heads, n, d, keys.data_ptr(), keys.stride(0), hi.data_ptr(), lo.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native key range rejected the shape (head_dim {d})")
+    return hi, lo
 
 
 def quantize_low(store, k: torch.Tensor, v: torch.Tensor, bits: int = 4) -> bool:

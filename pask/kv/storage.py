@@ -400,7 +400,7 @@ class _GroupIndex:
         return held + sum(g.nbytes() for g in self.pos_of.values())
 
 
-def key_balance(keys: torch.Tensor) -> torch.Tensor:
+def key_balance(keys: torch.Tensor, native: bool = True) -> torch.Tensor:
     """Per-channel key balance ``[Hkv, 2, D]`` fp32 of ``keys [Hkv, n, D]``: mid-range, sqrt of the range.
 
     Keys have outlier channels (Qwen2's k-bias puts a large offset on a few channels): quantised
@@ -409,10 +409,16 @@ def key_balance(keys: torch.Tensor) -> torch.Tensor:
     quantisation cuts the attention-output error of an all-INT4 replay on qwen2.5-coder-0.5b from
     0.50 to 0.09 (mean over layers; layer 0: 1.08 -> 0.14; ``benchmarks/results/key_balance.md``).
     In the spirit of KIVI's per-channel keys and MiKV's outlier balancing, kept per token so that
-    every token can still get its own action.
+    every token can still get its own action. ``native``: take the per-channel range from the native
+    kernel where it applies (the same values, without an fp32 copy of the keys).
     """
-    k = keys.float()
-    hi, lo = k.amax(dim=1), k.amin(dim=1)
+    from pask.kv import native_attention  # (imports this module)
+
+    got = native_attention.key_range(keys) if native else None
+    if got is None:
+        k = keys.float()
+        got = k.amax(dim=1), k.amin(dim=1)
+    hi, lo = got
     return torch.stack([(hi + lo) / 2, (hi - lo).clamp_min(1e-4).sqrt()], dim=1)
 
 
@@ -513,7 +519,7 @@ class _SeqStore:
         """Fix the key balance at the first low-bit write (from the H tier's keys, else ``k``)."""
         if self.kbal is not None:
             return
-        self.kbal = key_balance(self.h.view("k") if self.h.n else k)
+        self.kbal = key_balance(self.h.view("k") if self.h.n else k, native=self.native)
         if not self.balanced:  # plain per-token quantisation (ablation): identity balance, not stored
             self.kbal = torch.stack([torch.zeros_like(self.kbal[:, 0]), torch.ones_like(self.kbal[:, 1])], 1)
 
