@@ -382,6 +382,7 @@ class KVPolicy:
         cache, col = self.cache, self._collector
         cost = self.costs
         with torch.no_grad():  # generate runs under no_grad: tensors made here must not be inference tensors
+            ops = [] if phase == "step" else None  # a step's actions of every row, applied at once
             for b, row in enumerate(self._rows):
                 extra = {}
                 if phase == "prefill":
@@ -393,8 +394,12 @@ class KVPolicy:
                     if col is not None and self.stats_request.step:
                         extra["step_attention"], extra["step_scores"] = col.take_step(b)
                     decide = self.policy.step_actions
-                row.decided = decide_row(cache, b, decide, row.decided, row.history, [], None, cost, extra, seq=b)
-                if phase == "step":
+                row.decided = decide_row(
+                    cache, b, decide, row.decided, row.history, [], None, cost, extra, seq=b, ops=ops
+                )
+            if ops is not None:
+                cache.apply_many(ops)
+                for b, row in enumerate(self._rows):
                     row.samples.append(row_budget(cache, b)["b_total"])
         return None
 

@@ -583,3 +583,66 @@ def test_key_range_declines_what_it_does_not_serve(native):
     assert na.key_range(torch.randn(2, 5, 64).bfloat16().transpose(1, 2)) is None  # rows not contiguous
     assert na.key_range(torch.randn(2, 5, 256).bfloat16()) is None  # head_dim past the kernel's
     assert na.key_range(torch.zeros(2, 0, 64, dtype=torch.bfloat16)) is None  # no tokens
+
+
+def _two_caches(seed, d, kb, rows=3, n=90, window=4, groups=2, layers=4):
+    """Two bf16 caches with the same tokens (``layers`` layers in ``groups`` groups, ``rows`` rows),
+    the first with the native kernels, the second with the PyTorch paths, their key balance fixed by
+    a prefill-time INT4 batch in every row and group."""
+    gen = torch.Generator().manual_seed(seed)
+    k = (torch.randn(rows, 2, n, d, generator=gen) * 3).to(torch.bfloat16)
+    v = torch.randn(rows, 2, n, d, generator=gen).to(torch.bfloat16)
+    caches = []
+    for native in (True, False):
+        cfg = CacheConfig(num_groups=groups, recent_window=window, l2_key_bits=kb, native=native)
+        cache = TieredCache(attention_config(2, 3, d, layers=layers), cfg, rows)
+        for li in range(layers):
+            cache.update(k, v, li)
+        for r in range(rows):
+            for g in range(groups):
+                cache.apply(r, g, torch.arange(0, 6), Action.L)
+        caches.append(cache)
+    return caches
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**16),
+    kb=st.sampled_from([2, 4]),
+    picks=st.lists(  # (row, group, position, action, two positions)
+        st.tuples(
+            st.integers(0, 2), st.integers(0, 1), st.integers(6, 85), st.sampled_from(list(Action)), st.booleans()
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+)
+def test_apply_many_equals_applying_one_by_one(native, seed, kb, picks):
+    """A decode step's decisions of every row at once (one native call for the single-position
+    moves) leave every store and index exactly as applying them one by one on the PyTorch paths;
+    an invalid action raises the same error after the same earlier actions."""
+    from pask.kv import KVCacheError
+
+    a, b = _two_caches(seed, 64, kb)
+    ops = [(r, g, torch.tensor([p, p + 1]) if two else p, act) for r, g, p, act, two in picks]
+    err_a = err_b = None
+    try:
+        a.apply_many(ops)
+    except KVCacheError as e:
+        err_a = e
+    for op in ops:
+        try:
+            b.apply(*op)
+        except KVCacheError as e:
+            err_b = e
+            break
+    assert type(err_a) is type(err_b) and str(err_a) == str(err_b)
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        for sa, sb in zip(la.seqs, lb.seqs, strict=True):
+            _assert_same_tiers(sa, sb)
+            assert sa.h.n == sb.h.n and torch.equal(sa.h.view("k"), sb.h.view("k"))
+    for r in range(3):
+        for g in range(2):
+            ia, ib = a.index(r, g), b.index(r, g)
+            assert ia.n == ib.n and torch.equal(ia.tier_of.t[: ia.length], ib.tier_of.t[: ib.length])
+            assert torch.equal(ia.slot_of.t[: ia.length], ib.slot_of.t[: ib.length])

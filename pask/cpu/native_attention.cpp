@@ -1640,16 +1640,22 @@ inline bool tier_widths_ok(int bits, int kbits) {
 
 extern "C" {
 
-// For each of `nlayers` layers (one layer group): quantise H slot `slot` of every kv head into L
-// slot `lslot` at `bits` (4: the blocked INT4 layout; 2: four codes per byte, token-major keys),
-// keys balanced by kbal, then move H slot `last` into `slot` (unless equal). The caller has grown
-// the L tier to hold `lslot` and does the bookkeeping. Returns 0, -1 on a bad shape or width.
-int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const void* const* hv,
-                     const int64_t* hcap, int64_t slot, int64_t last, const void* const* kq, const void* const* ksz,
-                     const void* const* vq, const void* const* vs, const void* const* vz, const int64_t* lcap,
-                     int64_t lslot, const void* const* kbal, int bits, int kbits) {
+// For each of `nstores` stores (the layers of one or more (sequence, layer group) pairs, e.g. every
+// row's token leaving its recent window in a decode step): quantise H slot `slot[i]` of every kv
+// head into low-tier slot `lslot[i]` at `bits` (4: the blocked INT4 layout; 2: four codes per byte,
+// token-major keys), keys balanced by kbal[i], then move H slot `last[i]` into `slot[i]` (unless
+// equal). In order: a store listed twice sees the first move done. The caller has grown the low
+// tiers to hold `lslot` and does the bookkeeping. Returns 0, -1 on a bad shape, width or slot.
+int pask_move_to_low(int nstores, int hkv, int D, const void* const* hk, const void* const* hv,
+                     const int64_t* hcap, const int64_t* slot, const int64_t* last, const void* const* kq,
+                     const void* const* ksz, const void* const* vq, const void* const* vs, const void* const* vz,
+                     const int64_t* lcap, const int64_t* lslot, const void* const* kbal, int bits, int kbits) {
   if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || !tier_widths_ok(bits, kbits)) return -1;
-  for (int li = 0; li < nlayers; ++li) {
+  for (int li = 0; li < nstores; ++li)
+    if (slot[li] < 0 || slot[li] >= hcap[li] || last[li] < 0 || last[li] >= hcap[li] || lslot[li] < 0 ||
+        lslot[li] >= lcap[li])
+      return -1;
+  for (int li = 0; li < nstores; ++li) {
     uint16_t* K = static_cast<uint16_t*>(const_cast<void*>(hk[li]));
     uint16_t* V = static_cast<uint16_t*>(const_cast<void*>(hv[li]));
     uint8_t* KQ = static_cast<uint8_t*>(const_cast<void*>(kq[li]));
@@ -1658,15 +1664,15 @@ int pask_move_to_low(int nlayers, int hkv, int D, const void* const* hk, const v
     uint16_t* VS = static_cast<uint16_t*>(const_cast<void*>(vs[li]));
     uint16_t* VZ = static_cast<uint16_t*>(const_cast<void*>(vz[li]));
     const float* bal_all = static_cast<const float*>(kbal[li]);
-    const int64_t hc = hcap[li], lc = lcap[li];
+    const int64_t hc = hcap[li], lc = lcap[li], sl = slot[li], la = last[li];
     for (int h = 0; h < hkv; ++h) {
-      uint16_t* k = K + (static_cast<int64_t>(h) * hc + slot) * D;
-      uint16_t* v = V + (static_cast<int64_t>(h) * hc + slot) * D;
+      uint16_t* k = K + (static_cast<int64_t>(h) * hc + sl) * D;
+      uint16_t* v = V + (static_cast<int64_t>(h) * hc + sl) * D;
       const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
-      quantize_token(k, v, mid, mid + D, D, bits, kbits, h, KQ, KSZ, VQ, VS, VZ, lc, lslot);
-      if (last != slot) {
-        std::memcpy(k, K + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
-        std::memcpy(v, V + (static_cast<int64_t>(h) * hc + last) * D, D * sizeof(uint16_t));
+      quantize_token(k, v, mid, mid + D, D, bits, kbits, h, KQ, KSZ, VQ, VS, VZ, lc, lslot[li]);
+      if (la != sl) {
+        std::memcpy(k, K + (static_cast<int64_t>(h) * hc + la) * D, D * sizeof(uint16_t));
+        std::memcpy(v, V + (static_cast<int64_t>(h) * hc + la) * D, D * sizeof(uint16_t));
       }
     }
   }

@@ -241,6 +241,21 @@ class TieredLayer(CacheLayerMixin):
 
 
 @dataclass
+class _Move:
+    """A single-position H -> INT4 / INT2 move prepared by :meth:`TieredCache._prepare_one`: the H
+    side's bookkeeping is done and the low tiers have room; :meth:`TieredCache._finish_moves` runs it."""
+
+    stores: list[_SeqStore]  # the layers of the group
+    slot: int  # the token's H slot (H slot ``last`` moves into it)
+    last: int
+    lslot: int  # its slot in the low tier
+    bits: int
+    ix: _GroupIndex
+    target: int  # the tier it joins (L or L2)
+    p: int  # its position
+
+
+@dataclass
 class _Finished:
     held: list[int] = field(default_factory=lambda: [0, 0])  # prompt, decode
     full: list[int] = field(default_factory=lambda: [0, 0])
@@ -500,6 +515,13 @@ class TieredCache(Cache):
 
     def _apply_one(self, seq: int, group: int, ix: _GroupIndex, p: int, action: Action) -> None:
         """:meth:`apply` for one position, with the same checks and errors."""
+        move = self._prepare_one(seq, group, ix, p, action)
+        if move is not None:
+            self._finish_moves([move])
+
+    def _prepare_one(self, seq: int, group: int, ix: _GroupIndex, p: int, action: Action) -> _Move | None:
+        """Check one position's action and apply it, except a native H -> low move, which it
+        prepares (bookkeeping of the H side, low-tier capacity) and returns for :meth:`_finish_moves`."""
         if p < 0 or p >= ix.length:
             raise self._unknown(seq, ix, [p])
         if p >= ix.length - self.config.recent_window:
@@ -512,29 +534,72 @@ class TieredCache(Cache):
         if tier != H and harm(tier) > harm(action):
             raise self._irreversible(seq, group, [p], tier, action)
         if action == Action.H or tier == int(action):
-            return
+            return None
         if action != Action.R:
             bits = LOW_BITS[action]
             stores = [self.layers[i].seqs[seq] for i in self.groups[group]]
             native = self.config.native and self.config.latent is None
             if tier != H or not (native and native_attention.move_applies(stores, bits)):
                 layers = [self.layers[i] for i in self.groups[group]]
-                return self._move_to_low(seq, ix, layers, torch.tensor([p]), tier, bits)
+                self._move_to_low(seq, ix, layers, torch.tensor([p]), tier, bits)
+                return None
             target = int(action)
             lslot = ix.n[target]
             for st in stores:
                 st.low(bits).reserve(1)
             slot, last = ix.remove_one(H, p)
-            native_attention.move_to_low(stores, slot, last, lslot, bits)
-            for st in stores:
-                st.low(bits).commit(1)
-                st.h.remove(_NONE, _NONE, last)
-            ix.add_one(target, p)
-            return
+            return _Move(stores, slot, last, lslot, bits, ix, target, p)
         slot, _ = ix.remove_one(tier, p)
         for layer in self._holders(group, tier):
             layer.seqs[seq].tier(tier).remove_one(slot)
         ix.release_one(p)
+        return None
+
+    @staticmethod
+    def _finish_moves(moves: list[_Move]) -> None:
+        """Run prepared H -> low moves (one native call per width, in order) and count them."""
+        for bits in sorted({m.bits for m in moves}, reverse=True):
+            native_attention.move_to_low([(m.stores, m.slot, m.last, m.lslot) for m in moves if m.bits == bits], bits)
+        for m in moves:
+            for st in m.stores:
+                st.low(m.bits).commit(1)
+                st.h.remove(_NONE, _NONE, m.last)
+            m.ix.add_one(m.target, m.p)
+
+    def apply_many(self, ops) -> None:
+        """Apply ``(seq, group, positions, action)`` decisions in order, as :meth:`apply` (or
+        :meth:`recall` for a :class:`~pask.kv.actions.ColdOp`) one by one would, with the same
+        checks and errors; single-position H -> INT4 / INT2 moves (a decode step's tokens leaving
+        the recent window, over every row and layer group) go to the native kernel in one call."""
+        pending: list[_Move] = []
+        held: set[tuple[int, int]] = set()  # (seq, group) with a prepared move: a second op there flushes first
+
+        def flush() -> None:
+            nonlocal pending
+            todo, pending = pending, []
+            held.clear()
+            self._finish_moves(todo)
+
+        try:
+            for seq, group, positions, action in ops:
+                one = None
+                if not isinstance(action, ColdOp):
+                    pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+                    one = int(pos[0]) if pos.numel() == 1 else None
+                if one is None or (seq, group) in held or self.config.latent is not None:
+                    flush()
+                    if isinstance(action, ColdOp):
+                        self.recall(seq, group, positions, action)
+                    else:
+                        self.apply(seq, group, positions, action)
+                    continue
+                self._scratch.clear()
+                move = self._prepare_one(seq, group, self.index(seq, group), one, Action(int(action)))
+                if move is not None:
+                    pending.append(move)
+                    held.add((seq, group))
+        finally:
+            flush()  # what was prepared before an error is still carried out, as one by one
 
     def _holders(self, group: int, tier: int) -> list[TieredLayer]:
         """The layers of ``group`` whose stores hold ``tier``'s slots: all of them, except the L tier

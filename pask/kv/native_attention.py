@@ -54,8 +54,7 @@ def _load() -> ctypes.CDLL:
     f.argtypes += [ctypes.c_int, vp, vp, ctypes.c_int, vp]
     f.restype = ctypes.c_int
     m = lib.pask_move_to_low
-    m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, ctypes.c_int64, ctypes.c_int64] + [vp] * 5
-    m.argtypes += [i64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int]
+    m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, i64, i64] + [vp] * 5 + [i64, i64, vp, ctypes.c_int, ctypes.c_int]
     m.restype = ctypes.c_int
     b = lib.pask_quantize_low
     b.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_int64] + [vp] * 5
@@ -213,14 +212,19 @@ def move_applies(stores: list, bits: int = 4) -> bool:
     )
 
 
-def move_to_low(stores: list, slot: int, last: int, lslot: int, bits: int = 4) -> None:
-    """Quantise H slot ``slot`` of each store (the layers of one group) into slot ``lslot`` of its
-    ``bits`` tier (4: L, 2: L2) and move H slot ``last`` into ``slot``; bit-exact with
-    :meth:`_SeqStore.append_low`. The low tiers must already hold capacity for ``lslot``; the caller
-    updates the counts."""
+def move_to_low(moves: list[tuple[list, int, int, int]], bits: int = 4) -> None:
+    """For each ``(stores, slot, last, lslot)`` of ``moves`` (the layers of one sequence's layer
+    group, e.g. every row's token leaving its recent window in a decode step), in order: quantise H
+    slot ``slot`` of each store into slot ``lslot`` of its ``bits`` tier (4: L, 2: L2) and move H
+    slot ``last`` into ``slot``; bit-exact with :meth:`_SeqStore.append_low`. One native call for
+    all of them. The low tiers must already hold capacity for ``lslot``; the caller updates the counts."""
+    stores = [st for group, *_ in moves for st in group]
+    if not stores:
+        return
     n = len(stores)
     vp = ctypes.c_void_p * n
     i64 = ctypes.c_int64 * n
+    per = [(slot, last, lslot) for group, slot, last, lslot in moves for _ in group]
     h, lt = [s.h.t for s in stores], [s.low(bits).t for s in stores]
     d = stores[0].h.parts["k"].post[0]
     rc = _LIB.pask_move_to_low(  # (tier tensors are allocated contiguous: data_ptr without _ptr's check)
@@ -230,17 +234,17 @@ def move_to_low(stores: list, slot: int, last: int, lslot: int, bits: int = 4) -
         vp(*[t["k"].data_ptr() for t in h]),
         vp(*[t["v"].data_ptr() for t in h]),
         i64(*[s.h.cap for s in stores]),
-        slot,
-        last,
+        i64(*[p[0] for p in per]),
+        i64(*[p[1] for p in per]),
         *(vp(*[t[k].data_ptr() for t in lt]) for k in ("kq", "ksz", "vq", "vs", "vz")),
         i64(*[s.low(bits).cap for s in stores]),
-        lslot,
+        i64(*[p[2] for p in per]),
         vp(*[_ptr(s.kbal) for s in stores]),
         bits,
         stores[0].key_bits(bits),
     )
     if rc != 0:
-        raise RuntimeError(f"native low-bit move rejected the shape (head_dim {d}, {bits} bits)")
+        raise RuntimeError(f"native low-bit move rejected the shape or a slot (head_dim {d}, {bits} bits)")
 
 
 def append_h(stores: list, k: torch.Tensor, v: torch.Tensor) -> bool:

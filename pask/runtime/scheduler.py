@@ -414,15 +414,18 @@ class Scheduler:
         if self.head is not None:
             self._plan_head(jobs)
         out = self.model(input_ids=feed, position_ids=positions, cache=cache, use_cache=True)
-        for i, job in enumerate(jobs):
+        ops: list = []  # every row's actions, applied at once (one native call for the INT4 / INT2 moves)
+        for job in jobs:
             extra = {}
             if collector is not None:
                 extra["step_attention"], extra["step_scores"] = collector.take_step(job.row)
             labels = job.request.prompt_labels
             job.decided = decide_row(
                 cache, job.row, job.policy.step_actions, job.decided, job.history, job.tags, labels,
-                self.costs, extra, seq=job.seq,
+                self.costs, extra, seq=job.seq, ops=ops,
             )  # fmt: skip
+        cache.apply_many(ops)
+        for i, job in enumerate(jobs):
             job.samples.append(row_budget(cache, job.row)["b_total"])
             job.logits = out.logits[i, -1]
         if self.keep_last:  # a replay reads the cache's own time-averaged budget at the end

@@ -96,12 +96,15 @@ def decide_row(
     costs: CostModel,
     extra: dict | None = None,
     seq: int | None = None,
+    ops: list | None = None,
 ) -> int:
     """Ask ``decide`` (a policy's ``prefill_actions`` / ``step_actions``) about the positions of ``row``
     that left the recent window since position ``decided``; apply its actions; return the new ``decided``.
 
     ``extra``: the statistics the policy asked for (SeqContext fields). ``seq``: the row the policy
     sees (default ``row``; a policy instance that serves one request alone sees it as row 0).
+    ``ops``: append the actions there as ``(row, group, positions, action)`` instead of applying
+    them (a decode step applies every row's at once: :meth:`TieredCache.apply_many`).
     """
     limit = max(0, cache.seq_length(row) - cache.config.recent_window)
     leaving = torch.arange(decided, max(decided, limit), dtype=torch.long)
@@ -122,7 +125,9 @@ def decide_row(
         **(extra or {}),
     )
     for group, positions, action in decide(ctx):
-        if isinstance(action, ColdOp):  # KVFetch's recall channel
+        if ops is not None:
+            ops.append((row, group, positions, action))
+        elif isinstance(action, ColdOp):  # KVFetch's recall channel
             cache.recall(row, group, positions, action)
         else:
             cache.apply(row, group, positions, action)
