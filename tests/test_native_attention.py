@@ -440,7 +440,7 @@ def test_bulk_low_writes_are_bit_exact_with_the_python_path(native, seed, d, sca
     batches = [order[: cut[0]], order[cut[0] : cut[1]], order[cut[1] :]]
     stores, served = [], []
     real = na.quantize_low
-    na.quantize_low = lambda *a: served.append(real(*a)) or served[-1]
+    na.quantize_low = lambda *a, **kw: served.append(real(*a, **kw)) or served[-1]
     try:
         for use_native in (True, False):
             cfg = CacheConfig(num_groups=1, recent_window=window, native=use_native, l2_key_bits=kb)

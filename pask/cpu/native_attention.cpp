@@ -1683,10 +1683,16 @@ int pask_move_to_low(int nstores, int hkv, int D, const void* const* hk, const v
 // Quantise n tokens k, v [hkv, n, D] bf16 (contiguous) of one store into its L slots
 // [lslot, lslot + n) (capacity already reserved), bit-exact with pask.kv.quant as the move is.
 // Parallel over (kv head, 64-slot block): the two slots sharing an INT4 key byte stay in one task.
+// With `slots` non-null, token t is read from row slots[t] of k, v [hkv, src_cap, D] instead (an H
+// tier's slots, without gathering them first; each in [0, src_cap)).
 int pask_quantize_low(int hkv, int D, const void* k, const void* v, int64_t n, void* kq, void* ksz, void* vq, void* vs,
-                      void* vz, int64_t lcap, int64_t lslot, const void* kbal, int bits, int kbits, int nthreads) {
+                      void* vz, int64_t lcap, int64_t lslot, const void* kbal, int bits, int kbits, int nthreads,
+                      const int64_t* slots, int64_t src_cap) {
   if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || n < 0 || !tier_widths_ok(bits, kbits)) return -1;
   if (lslot < 0 || lslot + n > lcap) return -1;
+  if (slots != nullptr)
+    for (int64_t t = 0; t < n; ++t)
+      if (slots[t] < 0 || slots[t] >= src_cap) return -1;
   const uint16_t* K = static_cast<const uint16_t*>(k);
   const uint16_t* V = static_cast<const uint16_t*>(v);
   const float* bal_all = static_cast<const float*>(kbal);
@@ -1699,7 +1705,8 @@ int pask_quantize_low(int hkv, int D, const void* k, const void* v, int64_t n, v
     const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
     for (int64_t sl = s0; sl < s1; ++sl) {
       const int64_t t = sl - lslot;
-      quantize_token(K + (h * n + t) * D, V + (h * n + t) * D, mid, mid + D, D, bits, kbits, h, static_cast<uint8_t*>(kq),
+      const int64_t row = slots != nullptr ? h * src_cap + slots[t] : h * n + t;
+      quantize_token(K + row * D, V + row * D, mid, mid + D, D, bits, kbits, h, static_cast<uint8_t*>(kq),
                      static_cast<uint16_t*>(ksz), static_cast<uint8_t*>(vq), static_cast<uint16_t*>(vs),
                      static_cast<uint16_t*>(vz), lcap, sl);
     }

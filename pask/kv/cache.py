@@ -631,11 +631,10 @@ class TieredCache(Cache):
         for layer in layers:
             st = layer.seqs[seq]
             if tier == H:
-                kv = st.h.take(slots)
-                k, v = kv["k"], kv["v"]
+                st.append_low_from_h(slots, bits)
             else:  # INT4 -> INT2: requantise the dequantised INT4 values
                 k, v = st.low_kv(dtype=st.h.parts["k"].dtype, bits=4, slots=slots)
-            st.append_low(k, v, bits)
+                st.append_low(k, v, bits)
         plan = ix.plan_remove(tier, slots)
         for layer in self._holders(group, tier):
             layer.seqs[seq].tier(tier).remove(*plan)

@@ -58,7 +58,7 @@ def _load() -> ctypes.CDLL:
     m.restype = ctypes.c_int
     b = lib.pask_quantize_low
     b.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_int64] + [vp] * 5
-    b.argtypes += [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    b.argtypes += [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, vp, ctypes.c_int64]
     b.restype = ctypes.c_int
     a = lib.pask_append_h
     a.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, i64, i64]
@@ -293,10 +293,12 @@ def key_range(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return hi, lo
 
 
-def quantize_low(store, k: torch.Tensor, v: torch.Tensor, bits: int = 4) -> bool:
+def quantize_low(store, k: torch.Tensor, v: torch.Tensor, bits: int = 4, slots: torch.Tensor | None = None) -> bool:
     """Append ``k, v [Hkv, n, D]`` (bf16) to ``store``'s ``bits`` tier with the native quantiser (bit-exact
     with the PyTorch path of :meth:`_SeqStore.append_low`, parallel over kv heads and 64-slot blocks);
-    False, with nothing written, where it does not apply (the caller then takes the PyTorch path)."""
+    False, with nothing written, where it does not apply (the caller then takes the PyTorch path).
+    ``slots`` (int64): append rows ``slots`` of ``k, v [Hkv, cap, D]`` (the store's H tier) instead,
+    read in place rather than gathered first."""
     if not (
         store.group == GROUP
         and bits in (2, 4)
@@ -307,8 +309,15 @@ def quantize_low(store, k: torch.Tensor, v: torch.Tensor, bits: int = 4) -> bool
         and available()
     ):
         return False
-    heads, n, d = k.shape
-    k, v = k.contiguous(), v.contiguous()
+    heads, cap, d = k.shape
+    if slots is not None:
+        if not (k.is_contiguous() and v.is_contiguous() and slots.dtype == torch.long):
+            return False
+        slots = slots.contiguous()
+        n = slots.numel()
+    else:
+        k, v = k.contiguous(), v.contiguous()
+        n = cap
     lt = store.low(bits)
     lslot = lt.n
     lt.reserve(n)
@@ -317,8 +326,9 @@ def quantize_low(store, k: torch.Tensor, v: torch.Tensor, bits: int = 4) -> bool
         heads, d, k.data_ptr(), v.data_ptr(), n,
         *(_ptr(t[x]) for x in ("kq", "ksz", "vq", "vs", "vz")),
         lt.cap, lslot, _ptr(store.kbal), bits, store.key_bits(bits), torch.get_num_threads(),
+        None if slots is None else slots.data_ptr(), cap,
     )  # fmt: skip
     if rc != 0:
-        raise RuntimeError(f"native low-bit quantiser rejected the shape (head_dim {d}, {bits} bits)")
+        raise RuntimeError(f"native low-bit quantiser rejected the shape or a slot (head_dim {d}, {bits} bits)")
     lt.commit(n)
     return True

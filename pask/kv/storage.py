@@ -533,6 +533,18 @@ class _SeqStore:
                 return
         self.low(bits).append(**self._quantize(k, v, bits))
 
+    def append_low_from_h(self, slots: torch.Tensor, bits: int = 4) -> None:
+        """:meth:`append_low` of the H tier's ``slots`` (int64), read in place by the native
+        quantiser where it applies (else gathered first); the H tier is left as it is."""
+        if self.native and slots.numel() > 1 and self.h.n:
+            from pask.kv import native_attention  # (imports this module)
+
+            self.ensure_balance(self.h.view("k"))
+            if native_attention.quantize_low(self, self.h.t["k"], self.h.t["v"], bits, slots=slots):
+                return
+        kv = self.h.take(slots)
+        self.append_low(kv["k"], kv["v"], bits)
+
     def append_cold(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantise ``k, v [Hkv, n, D]`` to ``cold_bits`` (as :meth:`append_low`) into the cold tier."""
         self.ensure_balance(k)
