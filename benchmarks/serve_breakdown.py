@@ -8,7 +8,8 @@
 Everything after ``--`` goes to ``pask bench serve`` (its own results go to a scratch stem next to
 ``--out``). Wall-clock timers wrap the native attention call, every linear layer (PyTorch's or the
 native GEMV), the LM head, the grammar masks (``plan_head``), token choice, the policy's decisions
-(``decide_row``) and measured budget (``row_budget``), the cache appends, RMSNorm and rotary
+(``decide_row``, and ``TieredCache.apply_many``, which applies a step's decisions of every row at
+once) and measured budget (``row_budget``), the cache appends, RMSNorm and rotary
 embedding; only scheduler steps that start and end with every client's request running (batch =
 concurrency) count. Writes ``--out``.json / .md: milliseconds per step of each part, per policy.
 The timers cost a little themselves (~170 linear calls per step): compare parts, not totals.
@@ -84,6 +85,7 @@ def install(timers: Timers, concurrency: int) -> None:
     for name in ("pick_tokens", "decide_row", "row_budget"):
         setattr(sched, name, timers.wrap(name, getattr(sched, name)))
     cache.TieredCache.update = timers.wrap("cache_update", cache.TieredCache.update)
+    cache.TieredCache.apply_many = timers.wrap("decide_row", cache.TieredCache.apply_many)  # a step's moves
     mq.Qwen2RMSNorm.forward = timers.wrap("rmsnorm", mq.Qwen2RMSNorm.forward)
     native_norm.NativeRMSNorm.forward = timers.wrap("rmsnorm", native_norm.NativeRMSNorm.forward)
     mq.apply_rotary_pos_emb = timers.wrap("rotary", mq.apply_rotary_pos_emb)
