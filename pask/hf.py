@@ -398,7 +398,8 @@ class KVPolicy:
                     cache, b, decide, row.decided, row.history, [], None, cost, extra, seq=b, ops=ops
                 )
             if ops is not None:
-                cache.apply_many(ops)
+                if ops:
+                    cache.apply_many(ops)
                 for b, row in enumerate(self._rows):
                     row.samples.append(row_budget(cache, b)["b_total"])
         return None

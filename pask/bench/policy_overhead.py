@@ -5,7 +5,7 @@ in one process, calls interleaved policy by policy per batch so machine noise hi
 Per decode step (total decode wall time / steps) the time is split into
 
 * ``decide_ms``: the policy's own decisions (``step_actions`` calls);
-* ``apply_ms``: the cache carrying them out (:meth:`TieredCache.apply`: packing to INT4, releases);
+* ``apply_ms``: the cache carrying them out (:meth:`TieredCache.apply` / ``apply_many``: packing to INT4, releases);
   prefill-time decisions and actions are excluded (``prefill_ms`` per batch reports them);
 * ``rest_ms``: everything else: the model forward (incl. the attention statistics a policy asked
   for, which replace the fused attention path), grammar masks, sampling.
@@ -97,25 +97,36 @@ class TimedPolicy:
 
 @contextmanager
 def timed_apply(clock: _Clock):
-    """Time :meth:`TieredCache.apply` for the duration of the block (restored afterwards)."""
-    original = TieredCache.apply
+    """Time :meth:`TieredCache.apply` and :meth:`TieredCache.apply_many` (a decode step's decisions
+    of every row at once, which calls ``apply`` for what it does not batch: only the outer call
+    counts) for the duration of the block (restored afterwards)."""
+    originals = {name: getattr(TieredCache, name) for name in ("apply", "apply_many")}
+    depth = [0]
 
-    def apply(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            dt = time.perf_counter() - t0
-            if clock.phase == "step":
-                clock.apply_s += dt
-            else:
-                clock.prefill_s += dt
+    def timed(original):
+        def run(self, *args, **kwargs):
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    dt = time.perf_counter() - t0
+                    if clock.phase == "step":
+                        clock.apply_s += dt
+                    else:
+                        clock.prefill_s += dt
 
-    TieredCache.apply = apply
+        return run
+
+    for name, original in originals.items():
+        setattr(TieredCache, name, timed(original))
     try:
         yield
     finally:
-        TieredCache.apply = original
+        for name, original in originals.items():
+            setattr(TieredCache, name, original)
 
 
 @dataclass

@@ -424,7 +424,8 @@ class Scheduler:
                 cache, job.row, job.policy.step_actions, job.decided, job.history, job.tags, labels,
                 self.costs, extra, seq=job.seq, ops=ops,
             )  # fmt: skip
-        cache.apply_many(ops)
+        if ops:
+            cache.apply_many(ops)
         for i, job in enumerate(jobs):
             job.samples.append(row_budget(cache, job.row)["b_total"])
             job.logits = out.logits[i, -1]
