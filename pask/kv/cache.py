@@ -573,6 +573,7 @@ class TieredCache(Cache):
         the recent window, over every row and layer group) go to the native kernel in one call."""
         pending: list[_Move] = []
         held: set[tuple[int, int]] = set()  # (seq, group) with a prepared move: a second op there flushes first
+        batch = self.config.latent is None  # a latent cache takes apply's own path for everything
 
         def flush() -> None:
             nonlocal pending
@@ -586,7 +587,7 @@ class TieredCache(Cache):
                 if not isinstance(action, ColdOp):
                     pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
                     one = int(pos[0]) if pos.numel() == 1 else None
-                if one is None or (seq, group) in held or self.config.latent is not None:
+                if one is None or (seq, group) in held or not batch:
                     flush()
                     if isinstance(action, ColdOp):
                         self.recall(seq, group, positions, action)

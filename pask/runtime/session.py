@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from pask.kv import stats
-from pask.kv.actions import ColdOp
 from pask.kv.budget import CostModel
 from pask.kv.cache import TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
@@ -124,13 +123,11 @@ def decide_row(
         tier_fn=lambda: torch.stack([cache.tiers(row, g) for g in range(len(cache.groups))]),
         **(extra or {}),
     )
-    for group, positions, action in decide(ctx):
-        if ops is not None:
-            ops.append((row, group, positions, action))
-        elif isinstance(action, ColdOp):  # KVFetch's recall channel
-            cache.recall(row, group, positions, action)
-        else:
-            cache.apply(row, group, positions, action)
+    mine = [(row, group, positions, action) for group, positions, action in decide(ctx)]
+    if ops is not None:
+        ops.extend(mine)
+    elif mine:
+        cache.apply_many(mine)  # actions and KVFetch's recall channel, in order
     return int(leaving[-1]) + 1 if leaving.numel() else decided
 
 
