@@ -55,7 +55,7 @@ from pask.kv.errors import (
 )
 from pask.kv.latent import normed_input
 from pask.kv.quant import check_group
-from pask.kv.storage import _NONE, CopyStats, _GroupIndex, _SeqStore
+from pask.kv.storage import CopyStats, _GroupIndex, _SeqStore
 
 H, L, R, L2 = int(Action.H), int(Action.L), int(Action.R), int(Action.L2)
 
@@ -526,7 +526,7 @@ class TieredCache(Cache):
             raise self._unknown(seq, ix, [p])
         if p >= ix.length - self.config.recent_window:
             raise self._protected(seq, ix, [p])
-        tier = int(ix.tier_of.t[p])
+        tier = int(ix.tier_of.a[p])
         if tier == R:
             raise self._released(seq, group, [p])
         if ix.fetched:
@@ -546,7 +546,7 @@ class TieredCache(Cache):
             target = int(action)
             lslot = ix.n[target]
             for st in stores:
-                st.low(bits).reserve(1)
+                (st.l if bits == 4 else st.l2).reserve(1)
             slot, last = ix.remove_one(H, p)
             return _Move(stores, slot, last, lslot, bits, ix, target, p)
         slot, _ = ix.remove_one(tier, p)
@@ -562,8 +562,8 @@ class TieredCache(Cache):
             native_attention.move_to_low([(m.stores, m.slot, m.last, m.lslot) for m in moves if m.bits == bits], bits)
         for m in moves:
             for st in m.stores:
-                st.low(m.bits).commit(1)
-                st.h.remove(_NONE, _NONE, m.last)
+                (st.l if m.bits == 4 else st.l2).commit(1)
+                st.h.truncate(m.last)
             m.ix.add_one(m.target, m.p)
 
     def apply_many(self, ops) -> None:
@@ -584,7 +584,11 @@ class TieredCache(Cache):
         try:
             for seq, group, positions, action in ops:
                 one = None
-                if not isinstance(action, ColdOp):
+                if isinstance(action, ColdOp):
+                    pass
+                elif type(positions) is int:
+                    one = positions
+                else:
                     pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
                     one = int(pos[0]) if pos.numel() == 1 else None
                 if one is None or (seq, group) in held or not batch:

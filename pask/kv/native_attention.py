@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ FLAGS += ["-ffp-contract=off"]  # no fused multiply-add where PyTorch rounds twi
 MAX_ROWS, MAX_DIM, GROUP = 16, 128, 32  # query rows per kv head, head_dim, quantisation group
 
 _LIB: ctypes.CDLL | None = None
+_FIELDS = 19  # fields of decode_layer's per-row descriptor
 _REFERENCE_CHECK: Callable[[], float | None] | None = None
 
 
@@ -49,19 +51,20 @@ def library_path() -> Path:
 def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library_path()))
     f = lib.pask_decode_layer
-    vp, i64 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
-    f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp, vp, i64, i64] + ([vp] * 5 + [i64, i64]) * 2
+    vp = ctypes.c_void_p
+    # the per-row arrays are addresses into one flat int64 descriptor (:func:`_descriptor`): all void*
+    f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp] * 4 + ([vp] * 5 + [vp, vp]) * 2
     f.argtypes += [ctypes.c_int, vp, vp, ctypes.c_int, vp]
     f.restype = ctypes.c_int
     m = lib.pask_move_to_low
-    m.argtypes = [ctypes.c_int] * 3 + [vp, vp, i64, i64, i64] + [vp] * 5 + [i64, i64, vp, ctypes.c_int, ctypes.c_int]
+    m.argtypes = [ctypes.c_int] * 3 + [vp] * 13 + [ctypes.c_int, ctypes.c_int]
     m.restype = ctypes.c_int
     b = lib.pask_quantize_low
     b.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_int64] + [vp] * 5
     b.argtypes += [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, vp, ctypes.c_int64]
     b.restype = ctypes.c_int
     a = lib.pask_append_h
-    a.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, i64, i64]
+    a.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, vp, vp]
     a.restype = ctypes.c_int
     r = lib.pask_key_range
     r.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, vp, ctypes.c_int64, vp, vp]
@@ -160,38 +163,38 @@ def decode_layer(layer, query: torch.Tensor, scaling: float, weights: bool = Fal
     q = query[:, :, 0, :].contiguous()
     out = torch.empty(bsz, hq, d, dtype=torch.float32)
     seqs = layer.seqs
-    low = ("kq", "ksz", "vq", "vs", "vz")
-    names = ("kh", "vh", *low, *(x + "2" for x in low), "kbal")
-    arrays = {k: [None] * bsz for k in names}
-    counts = {k: [0] * bsz for k in ("hcap", "hn", "lcap", "ln", "lcap2", "ln2")}
-    kbits2 = layer.cache.config.l2_key_bits  # every store of the cache has the config's L2 key width
-    for b in range(bsz):
-        st = seqs[b] if b < len(seqs) else None
+    # one flat int64 descriptor, each field ``bsz`` wide (0: no tokens / no pointer), in the
+    # kernel's argument order: kh vh hcap hn | kq ksz vq vs vz lcap ln | the same for L2 | kbal
+    vals = [0] * (_FIELDS * bsz)
+    for b in range(min(bsz, len(seqs))):
+        st = seqs[b]
         if st is None:
             continue
-        if st.h.n:
-            arrays["kh"][b], arrays["vh"][b] = _ptr(st.h.t["k"]), _ptr(st.h.t["v"])
-            counts["hcap"][b], counts["hn"][b] = st.h.cap, st.h.n
-        for tier, sfx in ((st.l, ""), (st.l2, "2")):
+        h = st.h
+        if h.n:
+            p = h.ptrs
+            vals[b], vals[bsz + b], vals[2 * bsz + b], vals[3 * bsz + b] = p[0], p[1], h.cap, h.n
+        for base, tier in ((4, st.l), (11, st.l2)):
             if tier.n:
-                for k in low:
-                    arrays[k + sfx][b] = _ptr(tier.t[k])
-                arrays["kbal"][b] = _ptr(st.kbal)
-                counts["lcap" + sfx][b], counts["ln" + sfx][b] = tier.cap, tier.n
-    ptrs = {k: (ctypes.c_void_p * bsz)(*v) for k, v in arrays.items()}
-    n = {k: (ctypes.c_int64 * bsz)(*v) for k, v in counts.items()}
+                p = tier.ptrs
+                for i in range(5):
+                    vals[(base + i) * bsz + b] = p[i]
+                vals[(base + 5) * bsz + b], vals[(base + 6) * bsz + b] = tier.cap, tier.n
+                vals[18 * bsz + b] = st.kbal.data_ptr()
+    desc = (ctypes.c_int64 * len(vals))(*vals)
+    at = ctypes.addressof(desc)
+    field = [at + 8 * bsz * i for i in range(_FIELDS)]
+    kbits2 = layer.cache.config.l2_key_bits  # every store of the cache has the config's L2 key width
     probs = None
+    probs_arr = None
     if weights:
         live = [b < len(seqs) and seqs[b] is not None for b in range(bsz)]
-        width = [counts["hn"][b] + counts["ln"][b] + counts["ln2"][b] for b in range(bsz)]
+        width = [vals[3 * bsz + b] + vals[10 * bsz + b] + vals[17 * bsz + b] for b in range(bsz)]
         probs = [torch.empty(hkv, width[b]) if live[b] else None for b in range(bsz)]
-        ptrs["probs"] = (ctypes.c_void_p * bsz)(*[None if p is None else p.data_ptr() for p in probs])
+        probs_arr = (ctypes.c_void_p * bsz)(*[None if p is None else p.data_ptr() for p in probs])
     rc = _LIB.pask_decode_layer(
-        bsz, hkv, hq // hkv, d, float(scaling), q.data_ptr(),
-        ptrs["kh"], ptrs["vh"], n["hcap"], n["hn"],
-        *(ptrs[k] for k in low), n["lcap"], n["ln"],
-        *(ptrs[k + "2"] for k in low), n["lcap2"], n["ln2"], kbits2,
-        ptrs["kbal"], out.data_ptr(), torch.get_num_threads(), ptrs.get("probs"),
+        bsz, hkv, hq // hkv, d, float(scaling), q.data_ptr(), *field[:18], kbits2, field[18],
+        out.data_ptr(), torch.get_num_threads(), probs_arr,
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native attention rejected the shape (Hkv {hkv}, Hq {hq}, D {d})")
@@ -218,30 +221,23 @@ def move_to_low(moves: list[tuple[list, int, int, int]], bits: int = 4) -> None:
     slot ``slot`` of each store into slot ``lslot`` of its ``bits`` tier (4: L, 2: L2) and move H
     slot ``last`` into ``slot``; bit-exact with :meth:`_SeqStore.append_low`. One native call for
     all of them. The low tiers must already hold capacity for ``lslot``; the caller updates the counts."""
-    stores = [st for group, *_ in moves for st in group]
-    if not stores:
+    rows = []
+    for group, slot, last, lslot in moves:
+        for st in group:
+            h, lo = st.h, (st.l if bits == 4 else st.l2)
+            if not (h.ptrs and lo.ptrs):
+                raise RuntimeError("native low-bit move needs allocated H and low tiers (reserve first)")
+            rows.append((*h.ptrs[:2], h.cap, slot, last, *lo.ptrs, lo.cap, lslot, st.kbal.data_ptr()))
+    n = len(rows)
+    if not n:
         return
-    n = len(stores)
-    vp = ctypes.c_void_p * n
-    i64 = ctypes.c_int64 * n
-    per = [(slot, last, lslot) for group, slot, last, lslot in moves for _ in group]
-    h, lt = [s.h.t for s in stores], [s.low(bits).t for s in stores]
-    d = stores[0].h.parts["k"].post[0]
-    rc = _LIB.pask_move_to_low(  # (tier tensors are allocated contiguous: data_ptr without _ptr's check)
-        n,
-        stores[0].h.heads,
-        d,
-        vp(*[t["k"].data_ptr() for t in h]),
-        vp(*[t["v"].data_ptr() for t in h]),
-        i64(*[s.h.cap for s in stores]),
-        i64(*[p[0] for p in per]),
-        i64(*[p[1] for p in per]),
-        *(vp(*[t[k].data_ptr() for t in lt]) for k in ("kq", "ksz", "vq", "vs", "vz")),
-        i64(*[s.low(bits).cap for s in stores]),
-        i64(*[p[2] for p in per]),
-        vp(*[_ptr(s.kbal) for s in stores]),
-        bits,
-        stores[0].key_bits(bits),
+    # one flat int64 array, field-major (13 fields of n stores each), in the kernel's argument order:
+    # hk hv hcap slot last kq ksz vq vs vz lcap lslot kbal
+    desc = (ctypes.c_int64 * (13 * n))(*chain.from_iterable(zip(*rows, strict=True)))
+    at = ctypes.addressof(desc)
+    d = moves[0][0][0].h.parts["k"].post[0]
+    rc = _LIB.pask_move_to_low(
+        n, moves[0][0][0].h.heads, d, *(at + 8 * n * i for i in range(13)), bits, moves[0][0][0].key_bits(bits)
     )
     if rc != 0:
         raise RuntimeError(f"native low-bit move rejected the shape or a slot (head_dim {d}, {bits} bits)")
@@ -260,15 +256,14 @@ def append_h(stores: list, k: torch.Tensor, v: torch.Tensor) -> bool:
     k, v = k.contiguous(), v.contiguous()  # (held until the call returns)
     for st in live:
         st.h.reserve(1)
-    vp, i64 = ctypes.c_void_p * rows, ctypes.c_int64 * rows
-    ts = [None if st is None else st.h.t for st in stores]
-    rc = _LIB.pask_append_h(
-        rows, hkv, d, k.data_ptr(), v.data_ptr(),
-        vp(*[None if t is None else t["k"].data_ptr() for t in ts]),
-        vp(*[None if t is None else t["v"].data_ptr() for t in ts]),
-        i64(*[0 if st is None else st.h.cap for st in stores]),
-        i64(*[0 if st is None else st.h.n for st in stores]),
-    )  # fmt: skip
+    vals = [0] * (4 * rows)  # one flat descriptor: kh vh cap n, each ``rows`` wide (0: skipped row)
+    for b, st in enumerate(stores):
+        if st is not None:
+            h = st.h
+            vals[b], vals[rows + b], vals[2 * rows + b], vals[3 * rows + b] = h.ptrs[0], h.ptrs[1], h.cap, h.n
+    desc = (ctypes.c_int64 * len(vals))(*vals)
+    at = ctypes.addressof(desc)
+    rc = _LIB.pask_append_h(rows, hkv, d, k.data_ptr(), v.data_ptr(), *(at + 8 * rows * i for i in range(4)))
     if rc != 0:
         raise RuntimeError(f"native H-tier append rejected the shape (Hkv {hkv}, D {d})")
     for st in live:

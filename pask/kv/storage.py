@@ -172,6 +172,9 @@ class _Tier:
         self.n = 0
         self.cap = 0
         self.t: dict[str, torch.Tensor] = {}
+        # data pointers of ``t``'s tensors in ``parts`` order (() while unallocated): the native
+        # kernels' per-call descriptors read these instead of asking every tensor each step
+        self.ptrs: tuple[int, ...] = ()
         self._slot_bytes = sum(p.slot_bytes(heads) for p in parts.values())
 
     def _round(self, cap: int) -> int:
@@ -186,6 +189,7 @@ class _Tier:
             self.stats.copied_bytes += self.live_bytes()
         self.stats.reallocs += 1
         self.t, self.cap = new, cap
+        self.ptrs = tuple(t.data_ptr() for t in new.values())  # (alloc makes them contiguous)
 
     def reserve(self, k: int) -> None:
         """Grow the capacity (doubling) so that ``k`` more slots fit.
@@ -224,6 +228,11 @@ class _Tier:
         if holes.numel():
             for k, p in self.parts.items():
                 p.move(self.t[k], holes, movers)
+        self.truncate(new_n)
+
+    def truncate(self, new_n: int) -> None:
+        """Count only the first ``new_n`` slots as live (no slot moves), then free or shrink as
+        :meth:`remove` does."""
         self.n = new_n
         if self.n == 0:
             self.free()
@@ -237,7 +246,7 @@ class _Tier:
         if slot != last:
             for k, p in self.parts.items():
                 p.move_one(self.t[k], slot, last)
-        self.remove(_NONE, _NONE, last)
+        self.truncate(last)
 
     def compact(self) -> None:
         """Reallocate to the live slots (rounded up to ``align``): returns the spare capacity."""
@@ -251,7 +260,7 @@ class _Tier:
         return self.parts[name].live(self.t[name], self.n)
 
     def free(self) -> None:
-        self.t, self.cap, self.n = {}, 0, 0
+        self.t, self.cap, self.n, self.ptrs = {}, 0, 0, ()
 
     def slot_bytes(self) -> int:
         """Bytes of one slot (all heads, all parts)."""
@@ -265,12 +274,15 @@ class _Tier:
 
 
 class _Growable:
-    """A 1-D int tensor with capacity doubling (index bookkeeping)."""
+    """A 1-D int tensor with capacity doubling (index bookkeeping); ``a`` is a NumPy view of the
+    same memory, for the one-position reads and writes of a decode step (a tensor's scalar indexing
+    costs ~1 µs, a NumPy array's ~0.1 µs)."""
 
     def __init__(self, dtype: torch.dtype, fill: int = 0):
         self.dtype = dtype
         self.fill = fill
         self.t = torch.empty(0, dtype=dtype)
+        self.a = self.t.numpy()
 
     def ensure(self, size: int) -> None:
         if size > self.t.numel():
@@ -280,6 +292,7 @@ class _Growable:
             new = torch.full((cap,), self.fill, dtype=self.dtype)
             new[: self.t.numel()] = self.t
             self.t = new
+            self.a = new.numpy()
 
     def nbytes(self) -> int:
         return self.t.numel() * self.t.element_size()
@@ -373,11 +386,12 @@ class _GroupIndex:
     # one position at a time (a decode step): plain ints, no tensor ops per call
     def remove_one(self, tier: int, pos: int) -> tuple[int, int]:
         """Swap-remove ``pos`` from ``tier``; returns (its slot, the last slot that moved into it)."""
-        slot, last = int(self.slot_of.t[pos]), self.n[tier] - 1
+        slot, last = int(self.slot_of.a[pos]), self.n[tier] - 1
         if slot != last:
-            moved = int(self.pos_of[tier].t[last])
-            self.pos_of[tier].t[slot] = moved
-            self.slot_of.t[moved] = slot
+            po = self.pos_of[tier].a
+            moved = int(po[last])
+            po[slot] = moved
+            self.slot_of.a[moved] = slot
         self.n[tier] = last
         self.counts[tier][int(pos >= self.prompt_len)] -= 1
         return slot, last
@@ -385,14 +399,14 @@ class _GroupIndex:
     def add_one(self, tier: int, pos: int) -> None:
         n = self.n[tier]
         self.pos_of[tier].ensure(n + 1)
-        self.pos_of[tier].t[n] = pos
-        self.tier_of.t[pos] = tier
-        self.slot_of.t[pos] = n
+        self.pos_of[tier].a[n] = pos
+        self.tier_of.a[pos] = tier
+        self.slot_of.a[pos] = n
         self.n[tier] = n + 1
         self.counts[tier][int(pos >= self.prompt_len)] += 1
 
     def release_one(self, pos: int) -> None:
-        self.tier_of.t[pos] = R
+        self.tier_of.a[pos] = R
         self.counts[R][int(pos >= self.prompt_len)] += 1
 
     def nbytes(self) -> int:
