@@ -101,6 +101,27 @@ def test_one_stored_prefill_serves_every_policy(smol, requests_, tmp_path, monke
     torch.testing.assert_close(e.window_attention[16].sum(-1), torch.full((n_layers, e.keys[0].shape[0]), 16.0))
 
 
+def test_long_prompts_record_all_only_when_asked(smol, requests_, tmp_path, monkeypatch):
+    """Past ALL_WINDOW_MAX_PROMPT an entry written for a request asking nothing lacks the ALL window
+    (quadratic in the prompt) but serves the short windows; an ALL request then misses, prefills
+    again and stores the entry with ALL, which serves it from then on."""
+    from pask.runtime import prefill_store
+
+    monkeypatch.setattr(prefill_store, "ALL_WINDOW_MAX_PROMPT", 16)
+    assert prefill_store.stored_windows(16) == prefill_store.STORED_WINDOWS
+    assert ALL not in prefill_store.stored_windows(17)
+    _run(smol, requests_, get_policy("kivi-4", budget=0.5), tmp_path, monkeypatch)
+    store = PrefillStore(tmp_path, smol.model)
+    ids = requests_[0].prompt_ids
+    assert len(ids) > 128
+    assert store.get(ids, StatsRequest(prefill_window=16, prefill_value_norm=True)) is not None
+    assert store.get(ids, StatsRequest(prefill_window=ALL)) is None
+    h2o = get_policy("h2o", budget=0.5)
+    assert _run(smol, requests_, h2o, tmp_path, monkeypatch)[1] == len(requests_)  # misses: prefilled again
+    assert store.get(ids, StatsRequest(prefill_window=ALL)) is not None
+    assert _run(smol, requests_, h2o, tmp_path, monkeypatch)[1] == 0  # now every prompt is served
+
+
 def test_statistics_from_the_store_equal_fresh_ones(smol, requests_, tmp_path, monkeypatch):
     """The tensors a policy sees in its context are equal with and without the store."""
     seen: dict[str, list] = {"fresh": [], "filling": [], "stored": []}

@@ -10,7 +10,11 @@ policy — the policies act on the cache after it — so a :class:`PrefillStore`
 * the attention statistics any policy may ask for (:mod:`pask.kv.stats`): the window attention for
   every window of :data:`STORED_WINDOWS` (incl. ``ALL``, H2O's column sums) and the value-output
   norms (CriticalKV), computed by the same functions as on the fly, so a hit hands a policy the
-  same tensors a fresh prefill would.
+  same tensors a fresh prefill would. Prompts longer than :data:`ALL_WINDOW_MAX_PROMPT` record the
+  ``ALL`` window only when the request asks for it (:func:`stored_windows`): its column sums score
+  every prompt query against every key in FP32, quadratic in the prompt, ~30 minutes a 32k prompt
+  on 2 cores against ~2 for the prefill itself. Such an entry serves every other request; one that
+  asks for ``ALL`` finds it missing, prefills again and stores the entry with it.
 
 A batch whose prompts are all stored skips the forward; otherwise it runs as usual and stores
 every row (the statistics add ~10 % to that forward). The key covers the format, the model
@@ -42,6 +46,16 @@ from pask.kv.stats import ALL, StatsRequest, covering
 FORMAT = 1
 ENV = "PASK_PREFILL_STORE"
 STORED_WINDOWS: tuple[int, ...] = (8, 16, 32, 64, 128, ALL)
+ALL_WINDOW_MAX_PROMPT = 16384  # longer prompts record ALL only when asked (see the module docstring)
+
+
+def stored_windows(prompt_len: int) -> tuple[int, ...]:
+    """The windows a store records for a prefill whose longest prompt has ``prompt_len`` tokens
+    (besides those the request asks for): :data:`STORED_WINDOWS`, without ``ALL`` past
+    :data:`ALL_WINDOW_MAX_PROMPT`."""
+    if prompt_len <= ALL_WINDOW_MAX_PROMPT:
+        return STORED_WINDOWS
+    return tuple(w for w in STORED_WINDOWS if w != ALL)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pask.kv.budget import CostModel
 from pask.kv.cache import TieredCache
 from pask.kv.stats import StatsCollector, StatsRequest
 from pask.policies.base import SeqContext
-from pask.runtime.prefill_store import STORED_WINDOWS, PrefillEntry, PrefillStore
+from pask.runtime.prefill_store import PrefillEntry, PrefillStore, stored_windows
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
@@ -48,7 +48,8 @@ def run_prefill(
     hit = bool(stored) and all(e is not None for e in stored)
     collector = None
     if keep or (store is not None and not hit):
-        record = (STORED_WINDOWS, True) if store is not None and not hit else ((), False)
+        everything = (stored_windows(max(len(r) for r in rows)), True)
+        record = everything if store is not None and not hit else ((), False)
         collector = StatsCollector(request, cache.spec.num_layers, len(rows), *record)
     stats.attach(cache, collector)
     ids, mask, pos, pads = left_pad(rows, 0)
