@@ -197,7 +197,8 @@ def llama_worker(spec: dict) -> dict:
             res["prefill_s"] = eng.prefill(ids, 0)
             for r in range(1, spec["rows"]):
                 L.llama_memory_seq_cp(eng.mem, 0, r, -1, -1)
-            toks, dec_s, steps = eng.generate(len(ids), spec["rows"], tool_gbnf(spec["tools"]), spec["new_tokens"])
+            gbnf = tool_gbnf(spec["tools"]) if spec.get("grammar", True) else None
+            toks, dec_s, steps = eng.generate(len(ids), spec["rows"], gbnf, spec["new_tokens"])
             res.update(decode_s=dec_s, steps=steps, generated=sum(len(t) for t in toks))
             res["text"] = "".join(eng.piece(t) for t in toks[0])
         else:  # accuracy: one case after another, sequence 0
@@ -308,6 +309,12 @@ def main() -> None:
     ap.add_argument("--bfcl", type=int, default=40, help="BFCL simple test cases for the accuracy part (0: none)")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument(
+        "--llama-unconstrained",
+        action="store_true",
+        help="also time llama.cpp without the grammar (greedy over the whole vocabulary), per --kv: "
+        "separates its grammar sampler from its engine",
+    )
+    ap.add_argument(
         "--adopt-speed",
         help="JSON lines of speed rows printed by an earlier run (kept with it under benchmarks/results/), "
         "recorded with --adopt-version, instead of running the speed part",
@@ -376,6 +383,12 @@ def main() -> None:
                     held = c * (len(ids) + r["generated"] // c) * per_token * LLAMA_KV[kv][1] / 2
                     rows.append(_row("llama.cpp", f"kv {kv}", n, len(ids), c, r, held, LLAMA_KV[kv][1] / 2))
                     print(json.dumps(rows[-1]), flush=True)
+                    if args.llama_unconstrained:
+                        r = run_llama({**spec, "grammar": False}, timeout=7200)
+                        held = c * (len(ids) + r["generated"] // c) * per_token * LLAMA_KV[kv][1] / 2
+                        setting = f"kv {kv}, no grammar"
+                        rows.append(_row("llama.cpp", setting, n, len(ids), c, r, held, LLAMA_KV[kv][1] / 2))
+                        print(json.dumps(rows[-1]), flush=True)
                 for p in policies:
                     r = pask_speed(lm, body, args.model, p, c, args.new_tokens, store)
                     rows.append(_row("pask", p, n, len(ids), c, r, r["held_bytes"], r["measured_b"]))
