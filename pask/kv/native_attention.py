@@ -52,7 +52,7 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library_path()))
     f = lib.pask_decode_layer
     vp = ctypes.c_void_p
-    # the per-row arrays are addresses into one flat int64 descriptor (:func:`_descriptor`): all void*
+    # the per-row arrays are addresses into one flat int64 descriptor built per call: all void*
     f.argtypes = [ctypes.c_int] * 4 + [ctypes.c_float, vp] + [vp] * 4 + ([vp] * 5 + [vp, vp]) * 2
     f.argtypes += [ctypes.c_int, vp, vp, ctypes.c_int, vp]
     f.restype = ctypes.c_int
