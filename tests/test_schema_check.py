@@ -76,6 +76,23 @@ def rejected(schema, where: str = "schema") -> str:
             },
             "an item could be started and never finished",
         ),
+        (  # additional properties whose value is a bare $ref cycle: a key could be started, its value never
+            {
+                "type": "object",
+                "properties": {},
+                "additionalProperties": {"$ref": "#/$defs/a"},
+                "$defs": {"a": {"$ref": "#/$defs/a"}, "b": {}},
+            },
+            "a property could be started and never finished",
+        ),
+        (
+            {
+                "type": "object",
+                "patternProperties": {"^x": {"$ref": "#/$defs/a"}},
+                "$defs": {"a": obj({"a": {"$ref": "#/$defs/a"}})},
+            },
+            "a property could be started and never finished",
+        ),
         ([1], "a JSON Schema must be an object, got a list"),
         (False, "unsatisfiable: the schema is false"),
     ],

@@ -17,7 +17,7 @@ import time
 import httpx2 as httpx
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pask.policies import FullPolicy
@@ -454,6 +454,12 @@ def test_every_admitted_schema_decodes_without_a_grammar_error(smol):
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(SCHEMAS, st.integers(0, 2**32), st.booleans())
+    @example(  # found by a clean-clone run: extra properties whose value is a bare $ref cycle
+        {"type": "object", "properties": {}, "required": [], "additionalProperties": {"$ref": "#/$defs/a"},
+         "$defs": {"a": {"$ref": "#/$defs/a"}, "b": {}}},
+        1,
+        False,
+    )  # fmt: skip
     def check(schema, seed, as_tool):
         body = _tool({"type": "object", "properties": {"x": schema}, "required": ["x"]}) if as_tool else _rf(schema)
         try:

@@ -22,7 +22,8 @@ five passes:
    a`` through ``$defs``) is refused: llguidance would accept its grammar and then fail or loop
    while decoding. Recursion that can stop (a tree whose children are optional, a nullable link,
    an array that may be empty) stays allowed, but not an array whose *items* can never end, even
-   an array that may be empty: llguidance would let an item start;
+   an array that may be empty, nor an object whose additional (or pattern) properties' values can
+   never end: llguidance would let an item or a key start;
 4. llguidance itself, compiling the schema without a tokenizer.
 
 ``where`` names the schema in messages (``tool 'get_weather'``, ``response_format``), and a
@@ -427,6 +428,14 @@ class _Checker:
                 found = self.unsat(extra, sub_path, refs)
                 if found is not None:
                     return found
+        if not self._fixpoint:  # may an extra property be written? llguidance would let its key start
+            pats = s.get("patternProperties") if isinstance(s.get("patternProperties"), dict) else {}
+            subs = [(extra, _child(path, "*"))] if isinstance(extra, dict) else []
+            subs += [(sub, _child(path, f"/{pat}/")) for pat, sub in pats.items() if isinstance(sub, dict)]
+            for sub, sub_path in subs:
+                found = self.unsat(sub, sub_path, refs)
+                if found is not None and "$ref" in found[1]:  # then never end its value
+                    return found[0], f"{found[1]}; a property could be started and never finished"
         most = s.get("maxProperties")
         if _num(most) and len(set(required)) > most:
             return path, f"{len(set(required))} required properties > maxProperties {most}"
