@@ -184,3 +184,79 @@ def test_sampled_outputs_obey_the_schema(smol, seed, temperature, top_p):
     (g,) = generate(smol, [_json(smol, temperature=temperature, top_p=top_p, seed=seed)])
     assert g.stop_reason in {"grammar", "eos"}, (g.stop_reason, g.text)
     jsonschema.validate(json.loads(g.text), SCHEMA)
+
+
+def _pick_tokens_full_vocab(logits, requests, generated, live, bitmask, closers, rngs):
+    """The pick_tokens of f734fa4 (every row converted, masked and scanned over the whole vocabulary),
+    with fresh masks: the reference the narrow-row path must agree with token for token."""
+    from pask.structure.constraint import apply_mask
+
+    logits = logits.float()
+    for i, r in enumerate(requests):
+        if not (r.constraint is not None and live[i]):
+            bitmask[i].fill_(-1)
+    apply_mask(logits, bitmask[: len(requests)])
+    nxt = logits.argmax(-1).tolist()
+    for i, r in enumerate(requests):
+        if live[i] and r.sampled:
+            nxt[i] = sample_token(logits[i], r.temperature, r.top_p, rngs[i], greedy=nxt[i])
+    for i, r in enumerate(requests):
+        if live[i] and r.constraint is not None and len(generated[i]) >= r.closing_from:
+            last2 = generated[i][-2:]
+            for k in torch.isfinite(logits[i, closers]).nonzero()[:, 0].tolist():
+                c = int(closers[k])
+                if last2 != [c, c]:
+                    nxt[i] = c
+                    break
+    return nxt
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from(["narrow", "one", "wide", "none", "dead"]),  # allowed tokens of the row's mask
+            st.sampled_from(["plain", "ties", "neg_inf", "nan", "pos_inf"]),  # its logits
+            st.booleans(),  # constrained
+            st.booleans(),  # live
+            st.sampled_from([0.0, 0.7]),  # temperature
+            st.booleans(),  # in its closing phase
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_pick_tokens_narrow_rows_agree_with_the_full_vocabulary(seed, rows, dtype):
+    """Greedy constrained rows with at most NARROW allowed tokens take the argmax over those alone;
+    every row's token equals the full-vocabulary path's (ties, -inf, NaN and +inf logits included)."""
+    vocab = 3000
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), vocab, generator=gen).to(dtype)
+    bitmask = allocate_mask(len(rows), vocab)
+    requests, generated, live, rngs = [], [], [], []
+    for i, (width, kind, constrained, alive, temp, closing) in enumerate(rows):
+        n = {"narrow": 40, "one": 1, "wide": 2000, "none": 0, "dead": 40}[width]
+        ids = torch.randperm(vocab, generator=gen)[:n].sort().values
+        bits = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
+        bits[ids] = True
+        words = (bits.view(-1, 32).long() << torch.arange(32)).sum(1)
+        bitmask[i] = (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+        if kind == "ties" and n:
+            logits[i, ids] = 1.0
+        elif kind == "neg_inf" or width == "dead":
+            logits[i, ids] = -math.inf
+        elif kind == "nan" and n:
+            logits[i, ids[n // 2]] = math.nan
+        elif kind == "pos_inf" and n:
+            logits[i, ids[-1]] = math.inf
+        requests.append(Request([1], constraint=object() if constrained else None, max_new_tokens=8, temperature=temp))
+        generated.append([5] * (6 if closing else 0))
+        live.append(alive)
+        rngs.append(new_generator(seed + i) if temp > 0 else None)
+    closers = torch.tensor([7, 11, 2999])
+    again = [new_generator(seed + i) if r.sampled else None for i, r in enumerate(requests)]  # the same streams
+    want = _pick_tokens_full_vocab(logits, requests, generated, live, bitmask.clone(), closers, again)
+    got = pick_tokens(logits, requests, generated, live, bitmask.clone(), closers, masked=True, rngs=rngs)
+    assert got == want

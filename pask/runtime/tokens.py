@@ -165,28 +165,54 @@ def pick_tokens(
     A live row in its closing phase (from :attr:`Request.closing_from` on) takes the
     first legal token of ``closers`` instead (see :func:`closing_tokens`). Rows that are not live get
     an unconstrained argmax (ignored by the caller).
+
+    A greedy constrained row whose grammar allows at most :data:`~pask.runtime.masked_head.NARROW`
+    tokens takes the argmax over those tokens' logits alone (the same token as over its masked row:
+    the first largest; a row whose allowed logits are all ``-inf`` takes the full path, whose argmax
+    is then token 0); the other rows convert, mask and scan the whole vocabulary.
     """
-    logits = logits.float()
+    from pask.runtime.masked_head import allowed_tokens
+
     fresh = masked if isinstance(masked, list) else [masked] * len(requests)
+    nxt = [0] * len(requests)
+    rest: list[int] = []  # rows that take the full-vocabulary path
     for i, r in enumerate(requests):
         if r.constraint is not None and live[i]:
             if not fresh[i]:
                 r.constraint.mask(bitmask, i)
+            if not r.sampled and len(generated[i]) < r.closing_from:  # a greedy row: its allowed ids suffice
+                ids = allowed_tokens(bitmask[i], logits.shape[-1])  # None past NARROW allowed tokens
+                if ids is not None and ids.numel():
+                    sub = logits[i, ids].float()
+                    k = int(sub.argmax())
+                    if not bool(sub[k] == -math.inf):  # all -inf: the full row's argmax is token 0
+                        nxt[i] = int(ids[k])  # the first largest, as argmax over the masked row
+                        continue
         else:
             bitmask[i].fill_(-1)
-    apply_mask(logits, bitmask[: len(requests)])
-    nxt = logits.argmax(-1).tolist()
+        rest.append(i)
+    if not rest:
+        return nxt
+    full = logits[rest].float()  # the masked FP32 rows of the other rows
+    apply_mask(full, bitmask[rest])
+    for j, t in enumerate(full.argmax(-1).tolist()):
+        nxt[rest[j]] = t
+    rows = dict(zip(rest, full, strict=True))  # row -> its masked FP32 logits
     for i, r in enumerate(requests):
+        if i not in rows:
+            continue
         if live[i] and r.sampled:
             rng = rngs[i] if rngs is not None else None
             if rng is None:
                 raise ValueError("a sampled request needs its random stream: pass rngs (see new_generator)")
-            nxt[i] = sample_token(logits[i], r.temperature, r.top_p, rng, greedy=nxt[i])
+            nxt[i] = sample_token(rows[i], r.temperature, r.top_p, rng, greedy=nxt[i])
     for i, r in enumerate(requests):  # near the token limit: close the structure, don't truncate
+        if i not in rows:
+            continue
         closing = len(generated[i]) >= r.closing_from
         if live[i] and r.constraint is not None and closing:
             last2 = generated[i][-2:]
-            for k in torch.isfinite(logits[i, closers]).nonzero()[:, 0].tolist():
+            for k in torch.isfinite(rows[i][closers]).nonzero()[:, 0].tolist():
                 c = int(closers[k])
                 if last2 != [c, c]:  # never a third time in a row (SQL allows endless newlines)
                     nxt[i] = c
