@@ -260,3 +260,23 @@ def test_pick_tokens_narrow_rows_agree_with_the_full_vocabulary(seed, rows, dtyp
     want = _pick_tokens_full_vocab(logits, requests, generated, live, bitmask.clone(), closers, again)
     got = pick_tokens(logits, requests, generated, live, bitmask.clone(), closers, masked=True, rngs=rngs)
     assert got == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), vocab=st.integers(1, 200), density=st.floats(0.0, 1.0))
+def test_row_mask_equals_llguidance_apply(seed, vocab, density):
+    """pick_tokens' uncompiled one-row mask sets exactly the logits llguidance's apply_mask sets (bit 31
+    words, a vocabulary that is not a multiple of 32)."""
+    from pask.runtime.tokens import _mask_row
+    from pask.structure.constraint import apply_mask
+
+    gen = torch.Generator().manual_seed(seed)
+    bitmask = allocate_mask(1, vocab)
+    bits = torch.rand(bitmask.shape[1] * 32, generator=gen) < density
+    words = (bits.view(-1, 32).long() << torch.arange(32)).sum(1)
+    bitmask[0] = (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+    row = torch.randn(vocab, generator=gen)
+    want = row.clone().unsqueeze(0)
+    apply_mask(want, bitmask.clone())
+    _mask_row(row, bitmask[0])
+    assert torch.equal(row, want[0])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pask.errors import PaskError
-from pask.structure.constraint import Constraint, SchemaError, apply_mask
+from pask.structure.constraint import Constraint, SchemaError
 
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
@@ -193,11 +193,12 @@ def pick_tokens(
         rest.append(i)
     if not rest:
         return nxt
-    full = logits[rest].float()  # the masked FP32 rows of the other rows
-    apply_mask(full, bitmask[rest])
-    for j, t in enumerate(full.argmax(-1).tolist()):
-        nxt[rest[j]] = t
-    rows = dict(zip(rest, full, strict=True))  # row -> its masked FP32 logits
+    rows: dict[int, torch.Tensor] = {}  # row -> its masked FP32 logits
+    for i in rest:  # one row at a time
+        row = logits[i].float()
+        _mask_row(row, bitmask[i])
+        rows[i] = row
+        nxt[i] = int(row.argmax())
     for i, r in enumerate(requests):
         if i not in rows:
             continue
@@ -218,6 +219,20 @@ def pick_tokens(
                     nxt[i] = c
                     break
     return nxt
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _mask_row(row: torch.Tensor, words: torch.Tensor) -> None:
+    """Set the logits of one row (``row [V]`` FP32) that its bitmask row (``words``, int32, bit ``t % 32``
+    of word ``t // 32`` for token ``t``) does not allow to ``-inf``, in place: what
+    :func:`~pask.structure.constraint.apply_mask` does, without llguidance's ``torch.compile``d kernel,
+    which compiles on its first call and on every new batch shape (~3 s; a server's first wide row)."""
+    bits = ((words.reshape(-1, 1) >> _SHIFTS) & 1).reshape(-1)
+    if bits.numel() < row.numel():  # tokens past the mask's words are not allowed
+        row[bits.numel() :] = -math.inf
+    row[: bits.numel()].masked_fill_(bits[: row.numel()] == 0, -math.inf)
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator, greedy: int) -> int:
