@@ -188,8 +188,9 @@ def test_sampled_outputs_obey_the_schema(smol, seed, temperature, top_p):
 
 def _pick_tokens_full_vocab(logits, requests, generated, live, bitmask, closers, rngs):
     """The pick_tokens of f734fa4 (every row converted, masked and scanned over the whole vocabulary),
-    with fresh masks: the reference the narrow-row path must agree with token for token."""
-    from pask.structure.constraint import apply_mask
+    with fresh masks and llguidance's own mask: the reference the narrow-row path must agree with token
+    for token."""
+    from llguidance.torch import apply_token_bitmask_inplace as apply_mask
 
     logits = logits.float()
     for i, r in enumerate(requests):
@@ -265,9 +266,10 @@ def test_pick_tokens_narrow_rows_agree_with_the_full_vocabulary(seed, rows, dtyp
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 200), density=st.floats(0.0, 1.0))
 def test_row_mask_equals_llguidance_apply(seed, vocab, density):
-    """pick_tokens' uncompiled one-row mask sets exactly the logits llguidance's apply_mask sets (bit 31
-    words, a vocabulary that is not a multiple of 32)."""
-    from pask.runtime.tokens import _mask_row
+    """pask's mask (one row, as pick_tokens applies it; no torch.compile) sets exactly the logits
+    llguidance's apply_token_bitmask_inplace sets (bit 31 words, a vocabulary not a multiple of 32)."""
+    from llguidance.torch import apply_token_bitmask_inplace
+
     from pask.structure.constraint import apply_mask
 
     gen = torch.Generator().manual_seed(seed)
@@ -277,6 +279,6 @@ def test_row_mask_equals_llguidance_apply(seed, vocab, density):
     bitmask[0] = (words - (words >= 2**31).long() * 2**32).to(torch.int32)
     row = torch.randn(vocab, generator=gen)
     want = row.clone().unsqueeze(0)
-    apply_mask(want, bitmask.clone())
-    _mask_row(row, bitmask[0])
+    apply_token_bitmask_inplace(want, bitmask.clone())
+    apply_mask(row, bitmask[0])
     assert torch.equal(row, want[0])

@@ -546,7 +546,7 @@ class TieredCache(Cache):
             target = int(action)
             lslot = ix.n[target]
             for st in stores:
-                (st.l if bits == 4 else st.l2).reserve(1)
+                st.low(bits).reserve(1)
             slot, last = ix.remove_one(H, p)
             return _Move(stores, slot, last, lslot, bits, ix, target, p)
         slot, _ = ix.remove_one(tier, p)
@@ -562,7 +562,7 @@ class TieredCache(Cache):
             native_attention.move_to_low([(m.stores, m.slot, m.last, m.lslot) for m in moves if m.bits == bits], bits)
         for m in moves:
             for st in m.stores:
-                (st.l if m.bits == 4 else st.l2).commit(1)
+                st.low(m.bits).commit(1)
                 st.h.truncate(m.last)
             m.ix.add_one(m.target, m.p)
 

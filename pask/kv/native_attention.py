@@ -224,7 +224,7 @@ def move_to_low(moves: list[tuple[list, int, int, int]], bits: int = 4) -> None:
     rows = []
     for group, slot, last, lslot in moves:
         for st in group:
-            h, lo = st.h, (st.l if bits == 4 else st.l2)
+            h, lo = st.h, st.low(bits)
             if not (h.ptrs and lo.ptrs):
                 raise RuntimeError("native low-bit move needs allocated H and low tiers (reserve first)")
             rows.append((*h.ptrs[:2], h.cap, slot, last, *lo.ptrs, lo.cap, lslot, st.kbal.data_ptr()))

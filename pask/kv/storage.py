@@ -155,9 +155,6 @@ class _BlockedCodes:
         return heads * self.d // 2
 
 
-_NONE = torch.empty(0, dtype=torch.long)
-
-
 class _Tier:
     """Dense storage of ``n`` live token slots over several parts: tail appends, swap-removes,
     capacity doubling and shrinking (capacity a multiple of ``align``)."""
@@ -507,7 +504,11 @@ class _SeqStore:
         return self.h if t == H else self.l if t == L else self.l2
 
     def low(self, bits: int) -> _Tier:
-        """The low-bit tier of ``bits`` (4: L, 2: L2)."""
+        """The low-bit tier of ``bits`` (4: L, 2: L2); KVCacheError for another width."""
+        if bits == 4:  # (the decode step's moves ask per store: no validation call for the two widths)
+            return self.l
+        if bits == 2:
+            return self.l2
         return self.l if check_bits(bits) == 4 else self.l2
 
     def key_bits(self, bits: int) -> int:

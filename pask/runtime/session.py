@@ -48,8 +48,8 @@ def run_prefill(
     hit = bool(stored) and all(e is not None for e in stored)
     collector = None
     if keep or (store is not None and not hit):
-        everything = (stored_windows(max(len(r) for r in rows)), True)
-        record = everything if store is not None and not hit else ((), False)
+        filling = store is not None and not hit  # then every statistic a later policy may ask for
+        record = (stored_windows(max(len(r) for r in rows)), True) if filling else ((), False)
         collector = StatsCollector(request, cache.spec.num_layers, len(rows), *record)
     stats.attach(cache, collector)
     ids, mask, pos, pads = left_pad(rows, 0)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from pask.errors import PaskError
-from pask.structure.constraint import Constraint, SchemaError
+from pask.runtime.masked_head import allowed_tokens
+from pask.structure.constraint import Constraint, SchemaError, apply_mask
 
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
@@ -120,8 +121,6 @@ def plan_head(
 
     The masks are filled one row after another: llguidance's parallel fill (``LLExecutor``) was slower
     in paired served runs on 2 cores (its threads compete with the decode thread's OpenMP worker)."""
-    from pask.runtime.masked_head import allowed_tokens
-
     plan: list[torch.Tensor | None] = []
     failed: dict[int, SchemaError] = {}
     for i, r in enumerate(requests):
@@ -171,8 +170,6 @@ def pick_tokens(
     the first largest; a row whose allowed logits are all ``-inf`` takes the full path, whose argmax
     is then token 0); the other rows convert, mask and scan the whole vocabulary.
     """
-    from pask.runtime.masked_head import allowed_tokens
-
     fresh = masked if isinstance(masked, list) else [masked] * len(requests)
     nxt = [0] * len(requests)
     rest: list[int] = []  # rows that take the full-vocabulary path
@@ -196,7 +193,7 @@ def pick_tokens(
     rows: dict[int, torch.Tensor] = {}  # row -> its masked FP32 logits
     for i in rest:  # one row at a time
         row = logits[i].float()
-        _mask_row(row, bitmask[i])
+        apply_mask(row, bitmask[i])
         rows[i] = row
         nxt[i] = int(row.argmax())
     for i, r in enumerate(requests):
@@ -219,20 +216,6 @@ def pick_tokens(
                     nxt[i] = c
                     break
     return nxt
-
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def _mask_row(row: torch.Tensor, words: torch.Tensor) -> None:
-    """Set the logits of one row (``row [V]`` FP32) that its bitmask row (``words``, int32, bit ``t % 32``
-    of word ``t // 32`` for token ``t``) does not allow to ``-inf``, in place: what
-    :func:`~pask.structure.constraint.apply_mask` does, without llguidance's ``torch.compile``d kernel,
-    which compiles on its first call and on every new batch shape (~3 s; a server's first wide row)."""
-    bits = ((words.reshape(-1, 1) >> _SHIFTS) & 1).reshape(-1)
-    if bits.numel() < row.numel():  # tokens past the mask's words are not allowed
-        row[bits.numel() :] = -math.inf
-    row[: bits.numel()].masked_fill_(bits[: row.numel()] == 0, -math.inf)
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator, greedy: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from functools import lru_cache
 
@@ -97,6 +98,21 @@ def allocate_mask(batch: int, vocab_size: int) -> torch.Tensor:
     return llt.allocate_token_bitmask(batch, vocab_size)
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
 def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set illegal logits to -inf in place (``logits``: [batch, vocab], float)."""
-    llt.apply_token_bitmask_inplace(logits, bitmask)
+    """Set illegal logits to -inf in place (``logits``: [batch, vocab] or one row [vocab], float;
+    ``bitmask`` its rows from :func:`allocate_mask`: bit ``t % 32`` of word ``t // 32`` allows token
+    ``t``; tokens past the mask's words are illegal). What llguidance's ``apply_token_bitmask_inplace``
+    does, in plain tensor ops: its kernel is ``torch.compile``d and compiled (~3 s) on its first call
+    and on each new batch shape, a stall inside a decode step."""
+    rows = logits if logits.dim() == 2 else logits.unsqueeze(0)
+    words = bitmask if bitmask.dim() == 2 else bitmask.unsqueeze(0)
+    if words.shape[0] != rows.shape[0]:
+        raise ValueError(f"mask rows {words.shape[0]} != logits rows {rows.shape[0]}")
+    bits = ((words.unsqueeze(-1) >> _BITS) & 1).reshape(words.shape[0], -1)
+    vocab, covered = rows.shape[1], bits.shape[1]
+    if covered < vocab:
+        rows[:, covered:] = -math.inf
+    rows[:, : min(covered, vocab)].masked_fill_(bits[:, :vocab] == 0, -math.inf)

@@ -433,9 +433,9 @@ class _Checker:
             subs = [(extra, _child(path, "*"))] if isinstance(extra, dict) else []
             subs += [(sub, _child(path, f"/{pat}/")) for pat, sub in pats.items() if isinstance(sub, dict)]
             for sub, sub_path in subs:
-                found = self.unsat(sub, sub_path, refs)
-                if found is not None and "$ref" in found[1]:  # then never end its value
-                    return found[0], f"{found[1]}; a property could be started and never finished"
+                found = self._unending(sub, sub_path, refs, "a property")
+                if found is not None:
+                    return found
         most = s.get("maxProperties")
         if _num(most) and len(set(required)) > most:
             return path, f"{len(set(required))} required properties > maxProperties {most}"
@@ -463,9 +463,15 @@ class _Checker:
             if found is not None:
                 return found[0], f"{found[1]}, and minItems {least} asks for items"
         elif items is not None and not self._fixpoint:  # the array may be empty: may its items be written?
-            found = self.unsat(items, f"{path}[]", refs)
-            if found is not None and "$ref" in found[1]:  # llguidance would let an item start, then never end it
-                return found[0], f"{found[1]}; an item could be started and never finished"
+            return self._unending(items, f"{path}[]", refs, "an item")
+        return None
+
+    def _unending(self, sub: Any, path: str, refs: frozenset[str], what: str) -> tuple[str, str] | None:
+        """Refuse an optional ``sub`` (an array's items, an object's extra properties) that only a
+        ``$ref`` cycle makes unsatisfiable: llguidance would let ``what`` start, then never end it."""
+        found = self.unsat(sub, path, refs)
+        if found is not None and "$ref" in found[1]:
+            return found[0], f"{found[1]}; {what} could be started and never finished"
         return None
 
 
