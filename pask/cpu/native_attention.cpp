@@ -1107,23 +1107,39 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
   // also keeps each row's running max (absorb_rows' first pass)
   {
     const __m512i lo16 = kRows0.load(), hi16 = kRows1.load();
-    alignas(64) uint16_t a[2][MAXR][32];   // A: the query's group, hi rows over lo rows
-    alignas(64) float cs[MAXR][BT];        // C: scores of one block and group
+    alignas(64) uint16_t a[MAXD / QG][2 * MAXR][32];  // A per group: the query's group, hi rows over lo rows
+    alignas(64) uint16_t kb[2][4][QG / 2][32];           // B tiles of two (block, group) items
+    alignas(64) float cs[2][MAXR][BT];                   // C: scores of two (block, group) items
     for (int r = 0; r < grp; ++r) mx[r] = _mm512_set1_ps(-INFINITY);
-    for (int g = 0; g < G; ++g) {
-      for (int r = 0; r < grp; ++r) split_bf16(qs[r] + g * QG, a[0][r], a[0][grp + r]);
-      _tile_loadd(0, a[0], 64);
-      for (int64_t blk = 0; blk < nb; ++blk) {
-        key_code_tiles(KQ + (blk * D + g * QG) * (BT / 2), b, table, lo16, hi16);  // rows d, d + 1: 64 bytes
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < grp; ++r) split_bf16(qs[r] + g * QG, a[g][r], a[g][grp + r]);
+    // items k = blk * G + g in address order, software-pipelined in three stages so that no stage
+    // waits on the stores of the one before: widen item k's codes into B tiles, multiply item k - 1
+    // (its tiles stored one iteration ago), scale item k - 2 (its C tile stored one iteration ago)
+    const int64_t K = nb * G;
+    for (int64_t i = 0; i < K + 2; ++i) {
+      if (i < K) {
+        const int64_t blk = i / G;
+        const int g = static_cast<int>(i % G);
+        key_code_tiles(KQ + (blk * D + g * QG) * (BT / 2), kb[i & 1], table, lo16, hi16);  // rows d, d + 1
+      }
+      if (i >= 1 && i <= K) {
+        const int64_t k = i - 1;
+        _tile_loadd(0, a[k % G], 64);
         _tile_zero(4);
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
-        four_tile_products(b);
-        _tile_stored(4, &cs[0][0], BT * 4);
-        _tile_stored(5, &cs[0][16], BT * 4);
-        _tile_stored(6, &cs[0][32], BT * 4);
-        _tile_stored(7, &cs[0][48], BT * 4);
+        four_tile_products(kb[k & 1]);
+        _tile_stored(4, &cs[k & 1][0][0], BT * 4);
+        _tile_stored(5, &cs[k & 1][0][16], BT * 4);
+        _tile_stored(6, &cs[k & 1][0][32], BT * 4);
+        _tile_stored(7, &cs[k & 1][0][48], BT * 4);
+      }
+      if (i >= 2) {
+        const int64_t k = i - 2, blk = k / G;
+        const int g = static_cast<int>(k % G);
+        const float (*c2)[BT] = cs[k & 1];
         // (scale, zero) bf16 pairs -> scale, zero - 8 scale; whole block: slots past ln hold finite data
         const uint16_t* sz = KSZ + (static_cast<int64_t>(g) * cap + blk * BT) * 2;
         for (int c = 0; c < 4; ++c) {
@@ -1139,7 +1155,7 @@ void l_stream_amx(State& st, const float (*qf)[MAXD], float scaling, const Seq& 
           const __m512 qg = _mm512_set1_ps(qsum[g][r]);
           float* sr = S + r * lp + blk * BT;
           for (int c = 0; c < 4; ++c) {
-            const __m512 dot = _mm512_add_ps(_mm512_load_ps(cs[r] + 16 * c), _mm512_load_ps(cs[grp + r] + 16 * c));
+            const __m512 dot = _mm512_add_ps(_mm512_load_ps(c2[r] + 16 * c), _mm512_load_ps(c2[grp + r] + 16 * c));
             const __m512 prev = g == 0 ? _mm512_set1_ps(cst[r]) : _mm512_load_ps(sr + 16 * c);
             const __m512 x = _mm512_fmadd_ps(_mm512_load_ps(off + 16 * c), qg, prev);
             const __m512 y = _mm512_fmadd_ps(_mm512_load_ps(scl + 16 * c), dot, x);
