@@ -608,6 +608,57 @@ def _two_caches(seed, d, kb, rows=3, n=90, window=4, groups=2, layers=4):
     return caches
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), kb=st.sampled_from([2, 4]), action=st.sampled_from([Action.L, Action.L2]))
+def test_a_steps_moves_on_two_threads_equal_one_thread(native, seed, kb, action):
+    """A decode step's single-position moves of every row and group (distinct stores: the kernel
+    runs them in parallel) leave every store exactly as on one thread."""
+    caches = [_two_caches(seed, 64, kb)[0] for _ in range(2)]
+    threads = torch.get_num_threads()
+    try:
+        for cache, t in zip(caches, (2, 1), strict=True):
+            torch.set_num_threads(t)
+            cache.apply_many([(r, g, 40 + 3 * r + g, action) for r in range(3) for g in range(2)])
+    finally:
+        torch.set_num_threads(threads)
+    for la, lb in zip(caches[0].layers, caches[1].layers, strict=True):
+        for sa, sb in zip(la.seqs, lb.seqs, strict=True):
+            _assert_same_tiers(sa, sb)
+            assert sa.h.n == sb.h.n and torch.equal(sa.h.view("k"), sb.h.view("k"))
+
+
+def test_a_store_listed_twice_is_moved_in_order(native):
+    """Moves of one store repeated in one native call (the kernel then runs in order, whatever the
+    threads) write what one call per move writes: each move here quantises H slot 20 after the one
+    before has moved the tier's last token into it."""
+    m = 40
+    caches = [_two_caches(7, 64, 4)[0] for _ in range(2)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = []
+        for i, cache in enumerate(caches):
+            stores = [cache.layers[li].seqs[1] for li in cache.groups[0]]
+            for st_ in stores:
+                st_.low(4).reserve(m)
+            lslot, n = stores[0].low(4).n, stores[0].h.n
+            moves = [(stores, 20, n - 1 - j, lslot + j) for j in range(m)]
+            if i == 0:
+                na.move_to_low(moves, 4)
+            else:
+                for mv in moves:
+                    na.move_to_low([mv], 4)
+            for st_ in stores:
+                st_.low(4).commit(m)
+                st_.h.truncate(n - m)
+            outs.append(stores)
+    finally:
+        torch.set_num_threads(threads)
+    for sa, sb in zip(*outs, strict=True):
+        _assert_same_tiers(sa, sb)
+        assert torch.equal(sa.h.view("k"), sb.h.view("k"))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 2**16),

@@ -1657,40 +1657,56 @@ inline bool tier_widths_ok(int bits, int kbits) {
 extern "C" {
 
 // For each of `nstores` stores (the layers of one or more (sequence, layer group) pairs, e.g. every
-// row's token leaving its recent window in a decode step): quantise H slot `slot[i]` of every kv
-// head into low-tier slot `lslot[i]` at `bits` (4: the blocked INT4 layout; 2: four codes per byte,
-// token-major keys), keys balanced by kbal[i], then move H slot `last[i]` into `slot[i]` (unless
-// equal). In order: a store listed twice sees the first move done. The caller has grown the low
-// tiers to hold `lslot` and does the bookkeeping. Returns 0, -1 on a bad shape, width or slot.
-int pask_move_to_low(int nstores, int hkv, int D, const void* const* hk, const void* const* hv,
-                     const int64_t* hcap, const int64_t* slot, const int64_t* last, const void* const* kq,
-                     const void* const* ksz, const void* const* vq, const void* const* vs, const void* const* vz,
-                     const int64_t* lcap, const int64_t* lslot, const void* const* kbal, int bits, int kbits) {
-  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || !tier_widths_ok(bits, kbits)) return -1;
-  for (int li = 0; li < nstores; ++li)
-    if (slot[li] < 0 || slot[li] >= hcap[li] || last[li] < 0 || last[li] >= hcap[li] || lslot[li] < 0 ||
-        lslot[li] >= lcap[li])
-      return -1;
+// row's token leaving its recent window in a decode step): quantise H slot `slot` of every kv head
+// into low-tier slot `lslot` at `bits` (4: the blocked INT4 layout; 2: four codes per byte,
+// token-major keys), keys balanced by kbal, then move H slot `last` into `slot` (unless equal).
+// `desc` holds MOVE_FIELDS int64 per store, store after store:
+//   hk hv hcap slot last kq ksz vq vs vz lcap lslot kbal
+// (pointers as integers). Stores listed once each run in parallel on `nthreads`; a store listed
+// twice makes the whole call run in order (the second move sees the first done). The caller has
+// grown the low tiers to hold `lslot` and does the bookkeeping. Returns 0, -1 on a bad shape, width
+// or slot (nothing written then).
+constexpr int MOVE_FIELDS = 13;
+
+int pask_move_to_low(int nstores, int hkv, int D, const int64_t* desc, int bits, int kbits, int nthreads) {
+  if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || nstores < 0 || !tier_widths_ok(bits, kbits)) return -1;
+  auto field = [desc](int li, int f) { return desc[static_cast<int64_t>(li) * MOVE_FIELDS + f]; };
+  std::vector<int64_t> keys(static_cast<size_t>(nstores));
   for (int li = 0; li < nstores; ++li) {
-    uint16_t* K = static_cast<uint16_t*>(const_cast<void*>(hk[li]));
-    uint16_t* V = static_cast<uint16_t*>(const_cast<void*>(hv[li]));
-    uint8_t* KQ = static_cast<uint8_t*>(const_cast<void*>(kq[li]));
-    uint16_t* KSZ = static_cast<uint16_t*>(const_cast<void*>(ksz[li]));
-    uint8_t* VQ = static_cast<uint8_t*>(const_cast<void*>(vq[li]));
-    uint16_t* VS = static_cast<uint16_t*>(const_cast<void*>(vs[li]));
-    uint16_t* VZ = static_cast<uint16_t*>(const_cast<void*>(vz[li]));
-    const float* bal_all = static_cast<const float*>(kbal[li]);
-    const int64_t hc = hcap[li], lc = lcap[li], sl = slot[li], la = last[li];
+    const int64_t hc = field(li, 2), sl = field(li, 3), la = field(li, 4), lc = field(li, 10), ls = field(li, 11);
+    if (sl < 0 || sl >= hc || la < 0 || la >= hc || ls < 0 || ls >= lc) return -1;
+    keys[static_cast<size_t>(li)] = field(li, 0);  // a store is its H tier's key tensor
+  }
+  std::sort(keys.begin(), keys.end());
+  const bool distinct = std::adjacent_find(keys.begin(), keys.end()) == keys.end();
+  auto one = [&](int li) {
+    auto ptr = [&](int f) { return reinterpret_cast<void*>(static_cast<intptr_t>(field(li, f))); };
+    uint16_t* K = static_cast<uint16_t*>(ptr(0));
+    uint16_t* V = static_cast<uint16_t*>(ptr(1));
+    uint8_t* KQ = static_cast<uint8_t*>(ptr(5));
+    uint16_t* KSZ = static_cast<uint16_t*>(ptr(6));
+    uint8_t* VQ = static_cast<uint8_t*>(ptr(7));
+    uint16_t* VS = static_cast<uint16_t*>(ptr(8));
+    uint16_t* VZ = static_cast<uint16_t*>(ptr(9));
+    const float* bal_all = static_cast<const float*>(ptr(12));
+    const int64_t hc = field(li, 2), sl = field(li, 3), la = field(li, 4), lc = field(li, 10), ls = field(li, 11);
     for (int h = 0; h < hkv; ++h) {
       uint16_t* k = K + (static_cast<int64_t>(h) * hc + sl) * D;
       uint16_t* v = V + (static_cast<int64_t>(h) * hc + sl) * D;
       const float* mid = bal_all + static_cast<int64_t>(h) * 2 * D;
-      quantize_token(k, v, mid, mid + D, D, bits, kbits, h, KQ, KSZ, VQ, VS, VZ, lc, lslot[li]);
+      quantize_token(k, v, mid, mid + D, D, bits, kbits, h, KQ, KSZ, VQ, VS, VZ, lc, ls);
       if (la != sl) {
         std::memcpy(k, K + (static_cast<int64_t>(h) * hc + la) * D, D * sizeof(uint16_t));
         std::memcpy(v, V + (static_cast<int64_t>(h) * hc + la) * D, D * sizeof(uint16_t));
       }
     }
+  };
+  if (distinct && nthreads > 1 && nstores > 1) {
+    // each store's moves touch only that store's tensors: the stores' memory latency overlaps
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int li = 0; li < nstores; ++li) one(li);
+  } else {
+    for (int li = 0; li < nstores; ++li) one(li);
   }
   return 0;
 }

@@ -25,8 +25,8 @@ and return False instead (the previous paths run; :func:`pask.cpu.native.unavail
 from __future__ import annotations
 
 import ctypes
+from array import array
 from collections.abc import Callable
-from itertools import chain
 from pathlib import Path
 
 import torch
@@ -57,7 +57,7 @@ def _load() -> ctypes.CDLL:
     f.argtypes += [ctypes.c_int, vp, vp, ctypes.c_int, vp]
     f.restype = ctypes.c_int
     m = lib.pask_move_to_low
-    m.argtypes = [ctypes.c_int] * 3 + [vp] * 13 + [ctypes.c_int, ctypes.c_int]
+    m.argtypes = [ctypes.c_int] * 3 + [vp] + [ctypes.c_int] * 3
     m.restype = ctypes.c_int
     b = lib.pask_quantize_low
     b.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_int64] + [vp] * 5
@@ -221,24 +221,21 @@ def move_to_low(moves: list[tuple[list, int, int, int]], bits: int = 4) -> None:
     slot ``slot`` of each store into slot ``lslot`` of its ``bits`` tier (4: L, 2: L2) and move H
     slot ``last`` into ``slot``; bit-exact with :meth:`_SeqStore.append_low`. One native call for
     all of them. The low tiers must already hold capacity for ``lslot``; the caller updates the counts."""
-    rows = []
+    vals = array("q")
     for group, slot, last, lslot in moves:
         for st in group:
             h, lo = st.h, st.low(bits)
             if not (h.ptrs and lo.ptrs):
                 raise RuntimeError("native low-bit move needs allocated H and low tiers (reserve first)")
-            rows.append((*h.ptrs[:2], h.cap, slot, last, *lo.ptrs, lo.cap, lslot, st.kbal.data_ptr()))
-    n = len(rows)
+            # one store's fields, in the kernel's order: hk hv hcap slot last kq ksz vq vs vz lcap lslot kbal
+            vals.extend((*h.ptrs[:2], h.cap, slot, last, *lo.ptrs, lo.cap, lslot, st.kbal.data_ptr()))
+    n = len(vals) // 13
     if not n:
         return
-    # one flat int64 array, field-major (13 fields of n stores each), in the kernel's argument order:
-    # hk hv hcap slot last kq ksz vq vs vz lcap lslot kbal
-    desc = (ctypes.c_int64 * (13 * n))(*chain.from_iterable(zip(*rows, strict=True)))
-    at = ctypes.addressof(desc)
+    at, _ = vals.buffer_info()
     d = moves[0][0][0].h.parts["k"].post[0]
-    rc = _LIB.pask_move_to_low(
-        n, moves[0][0][0].h.heads, d, *(at + 8 * n * i for i in range(13)), bits, moves[0][0][0].key_bits(bits)
-    )
+    st0 = moves[0][0][0]
+    rc = _LIB.pask_move_to_low(n, st0.h.heads, d, at, bits, st0.key_bits(bits), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"native low-bit move rejected the shape or a slot (head_dim {d}, {bits} bits)")
 
