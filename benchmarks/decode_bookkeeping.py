@@ -5,8 +5,9 @@
 Qwen2.5-Coder-0.5B's KV layout (24 layers in 4 groups, 2 KV heads, head_dim 64, bf16), random K/V,
 ``--batch`` rows of ``--prompt`` tokens. One step = the new token of every row stored in all 24
 layers (what the model's forward does through ``TieredCache.update``), then per row the decision
-on the token leaving the recent window (:func:`pask.runtime.session.decide_row`) and the row's measured
-budget (:func:`pask.runtime.session.row_budget`), as the server's scheduler does after each forward.
+on the token leaving the recent window (:func:`pask.runtime.session.decide_row`), every row's actions
+applied at once (:meth:`TieredCache.apply_many`), and each row's measured budget
+(:func:`pask.runtime.session.row_budget`), as the server's scheduler does after each forward.
 Two workloads: ``appends`` (the leaving token stays H: no moves) and ``moves`` (it goes INT4 in two
 layer groups and is released in a third: three cache actions per row and step). Each runs with the
 native kernels (``CacheConfig.native``: one call per layer for the appends, one per group for an
@@ -65,11 +66,15 @@ def run(batch: int, prompt: int, steps: int, decide, native: bool) -> float:
         decided[b] = decide_row(cache, b, lambda c: [(0, c.leaving, Action.L)], 0, [], [], None, COSTS)
     new = torch.randn(batch, 2, 1, 64, generator=gen).to(torch.bfloat16)
 
-    def step() -> None:
+    def step() -> None:  # as the scheduler's decode step: every row's actions, then one apply_many
         for layer in range(QWEN_05B.num_hidden_layers):
             cache.update(new, new, layer)
+        ops: list = []
         for b in range(batch):
-            decided[b] = decide_row(cache, b, decide, decided[b], [], [], None, COSTS)
+            decided[b] = decide_row(cache, b, decide, decided[b], [], [], None, COSTS, ops=ops)
+        if ops:
+            cache.apply_many(ops)
+        for b in range(batch):
             row_budget(cache, b)
 
     step()  # warm-up (first native call, index growth)
