@@ -1671,14 +1671,17 @@ constexpr int MOVE_FIELDS = 13;
 int pask_move_to_low(int nstores, int hkv, int D, const int64_t* desc, int bits, int kbits, int nthreads) {
   if (D % QG != 0 || D > MAXD || D <= 0 || hkv < 1 || nstores < 0 || !tier_widths_ok(bits, kbits)) return -1;
   auto field = [desc](int li, int f) { return desc[static_cast<int64_t>(li) * MOVE_FIELDS + f]; };
-  std::vector<int64_t> keys(static_cast<size_t>(nstores));
   for (int li = 0; li < nstores; ++li) {
     const int64_t hc = field(li, 2), sl = field(li, 3), la = field(li, 4), lc = field(li, 10), ls = field(li, 11);
     if (sl < 0 || sl >= hc || la < 0 || la >= hc || ls < 0 || ls >= lc) return -1;
-    keys[static_cast<size_t>(li)] = field(li, 0);  // a store is its H tier's key tensor
   }
-  std::sort(keys.begin(), keys.end());
-  const bool distinct = std::adjacent_find(keys.begin(), keys.end()) == keys.end();
+  bool parallel = nthreads > 1 && nstores > 1;
+  if (parallel) {  // only if every store is listed once (a store is its H tier's key tensor)
+    std::vector<int64_t> keys(static_cast<size_t>(nstores));
+    for (int li = 0; li < nstores; ++li) keys[static_cast<size_t>(li)] = field(li, 0);
+    std::sort(keys.begin(), keys.end());
+    parallel = std::adjacent_find(keys.begin(), keys.end()) == keys.end();
+  }
   auto one = [&](int li) {
     auto ptr = [&](int f) { return reinterpret_cast<void*>(static_cast<intptr_t>(field(li, f))); };
     uint16_t* K = static_cast<uint16_t*>(ptr(0));
@@ -1701,7 +1704,7 @@ int pask_move_to_low(int nstores, int hkv, int D, const int64_t* desc, int bits,
       }
     }
   };
-  if (distinct && nthreads > 1 && nstores > 1) {
+  if (parallel) {
     // each store's moves touch only that store's tensors: the stores' memory latency overlaps
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int li = 0; li < nstores; ++li) one(li);

@@ -215,6 +215,9 @@ def move_applies(stores: list, bits: int = 4) -> bool:
     )
 
 
+_MOVE_FIELDS = 13  # int64 per store in pask_move_to_low's descriptor (its MOVE_FIELDS)
+
+
 def move_to_low(moves: list[tuple[list, int, int, int]], bits: int = 4) -> None:
     """For each ``(stores, slot, last, lslot)`` of ``moves`` (the layers of one sequence's layer
     group, e.g. every row's token leaving its recent window in a decode step), in order: quantise H
@@ -229,12 +232,12 @@ def move_to_low(moves: list[tuple[list, int, int, int]], bits: int = 4) -> None:
                 raise RuntimeError("native low-bit move needs allocated H and low tiers (reserve first)")
             # one store's fields, in the kernel's order: hk hv hcap slot last kq ksz vq vs vz lcap lslot kbal
             vals.extend((*h.ptrs[:2], h.cap, slot, last, *lo.ptrs, lo.cap, lslot, st.kbal.data_ptr()))
-    n = len(vals) // 13
+    n = len(vals) // _MOVE_FIELDS
     if not n:
         return
     at, _ = vals.buffer_info()
-    d = moves[0][0][0].h.parts["k"].post[0]
     st0 = moves[0][0][0]
+    d = st0.h.parts["k"].post[0]
     rc = _LIB.pask_move_to_low(n, st0.h.heads, d, at, bits, st0.key_bits(bits), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"native low-bit move rejected the shape or a slot (head_dim {d}, {bits} bits)")

@@ -505,11 +505,10 @@ class _SeqStore:
 
     def low(self, bits: int) -> _Tier:
         """The low-bit tier of ``bits`` (4: L, 2: L2); KVCacheError for another width."""
-        if bits == 4:  # (the decode step's moves ask per store: no validation call for the two widths)
+        if bits == 4:  # (the decode step's moves ask per store: no validation call for INT4)
             return self.l
-        if bits == 2:
-            return self.l2
-        return self.l if check_bits(bits) == 4 else self.l2
+        check_bits(bits)  # KVCacheError for a width other than 2 and 4
+        return self.l2
 
     def key_bits(self, bits: int) -> int:
         """Key code width of the ``bits`` tier: 4 for L; 2 for L2, or 4 where the cache stores K4V2
