@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -56,6 +57,16 @@ constexpr int BT = 64;    // tokens per block (the INT4 key code block)
 constexpr int QG = 32;    // quantisation group along head_dim
 constexpr int MAXD = 128; // largest head_dim served
 constexpr int MAXR = 16;  // largest number of query rows per kv head
+
+// The AVX2 build's integer path for the INT4 tier (scores with int8 query rows, values with u8
+// weights; pmaddubsw): off unless PASK_INT8_ATTENTION=1 at load or pask_attention_use_int8(1).
+// It changes the numerics (bounded in tests/test_int8_attention.py), so the exact path stays the default.
+#if defined(PASK_AVX2)
+std::atomic<int> int8_wanted{[] {
+  const char* e = std::getenv("PASK_INT8_ATTENTION");
+  return e != nullptr && e[0] == '1' ? 1 : 0;
+}()};
+#endif
 
 // exp for x <= 88 (Cephes expf polynomial, ~1 ulp); vectorises (no libm call).
 inline float fexp(float x) {
@@ -782,6 +793,13 @@ struct LHead {
   alignas(64) float qs[MAXR][MAXD];
   alignas(64) float qsum[MAXD / QG][MAXR];
   alignas(64) float cst[MAXR];
+#if defined(PASK_AVX2)
+  // the integer path (int8_wanted): qs ~ qi * qstep per (row, group), |qi| <= 127; qc = 8 * sum(qi)
+  bool int8 = false;
+  alignas(32) int8_t qi[MAXR][MAXD];
+  float qstep[MAXR][MAXD / QG];
+  int32_t qc[MAXR][MAXD / QG];
+#endif
 
   LHead(const State& st, const float (*qf)[MAXD], float scaling, const Seq& s, int h, int kbits, int vbits) {
     const int64_t D = st.D, G = st.G, cap = s.lcap, hh = h;
@@ -791,8 +809,155 @@ struct LHead {
     VS = s.vs + hh * G * cap;
     VZ = s.vz + hh * G * cap;
     balanced_query(st, qf, scaling, s.kbal + hh * 2 * D, qs, qsum, cst);
+#if defined(PASK_AVX2)
+    int8 = (D == 64 || D == 128) && int8_wanted.load(std::memory_order_relaxed) != 0;
+    if (int8)
+      for (int r = 0; r < st.grp; ++r)
+        for (int g = 0; g < G; ++g) {
+          float mx = 0.0f;
+          for (int d = g * QG; d < (g + 1) * QG; ++d) mx = std::max(mx, std::fabs(qs[r][d]));
+          const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+          int32_t sum = 0;
+          for (int d = g * QG; d < (g + 1) * QG; ++d) {
+            const int v = static_cast<int>(std::nearbyint(qs[r][d] * inv));
+            qi[r][d] = static_cast<int8_t>(std::min(127, std::max(-127, v)));
+            sum += qi[r][d];
+          }
+          qstep[r][g] = mx / 127.0f;
+          qc[r][g] = 8 * sum;
+        }
+#endif
   }
 };
+
+#if defined(PASK_AVX2)
+// ---- the AVX2 integer path for the INT4 tier (int8_wanted) ------------------------------------
+// An fp32 FMA does 8 multiply-adds; pmaddubsw (u8 x int8 pairs summed into int16) does 32, which
+// is what lets an INT4 slot cost less than a BF16 one on CPUs without AVX-512 / AMX. The codes are
+// transposed per block into 4-byte groups (4 channels of a slot for the keys, 4 slots of a channel
+// for the values) so the pair sums land in the right lanes.
+
+// st.sc[r][0..64) += scl_t * qstep * sum_d qi_d (c_td - 8) + zero_t * qsum_g: the scores of group g
+// of block blk. int16 sums over the group's 32 channels: |sum| <= 32 * 15 * 127 < 2^15.
+void l_scores_group_i8(State& st, const LHead& L, int64_t blk, int g, const float* scl, const float* zero) {
+  const int D = st.D;
+  __m256i T[8][8];  // [4-channel chunk k][slot register x]
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int k = 0; k < 8; ++k) {
+    const uint8_t* row = L.KQ + (blk * D + g * QG + 4 * k) * (BT / 2);
+    __m256i lo[4], hi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * (BT / 2)));
+      lo[i] = _mm256_and_si256(x, m4);                         // slots 0..31
+      hi[i] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);  // slots 32..63
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m256i* X = half == 0 ? lo : hi;
+      const __m256i a = _mm256_unpacklo_epi8(X[0], X[1]), b = _mm256_unpacklo_epi8(X[2], X[3]);
+      const __m256i c = _mm256_unpackhi_epi8(X[0], X[1]), d = _mm256_unpackhi_epi8(X[2], X[3]);
+      T[k][4 * half + 0] = _mm256_unpacklo_epi16(a, b);  // slots 0-3 | 16-19 (+ 32 for the high nibbles)
+      T[k][4 * half + 1] = _mm256_unpackhi_epi16(a, b);  // 4-7 | 20-23
+      T[k][4 * half + 2] = _mm256_unpacklo_epi16(c, d);  // 8-11 | 24-27
+      T[k][4 * half + 3] = _mm256_unpackhi_epi16(c, d);  // 12-15 | 28-31
+    }
+  }
+  static constexpr int first[8] = {0, 4, 8, 12, 32, 36, 40, 44};  // slot register x: first.. +3, +16.. +19
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) float a[BT];
+  for (int r = 0; r < st.grp; ++r) {
+    __m256i Q[8];
+    for (int k = 0; k < 8; ++k) {
+      int32_t w;
+      std::memcpy(&w, &L.qi[r][g * QG + 4 * k], 4);
+      Q[k] = _mm256_set1_epi32(w);
+    }
+    const __m256i c8 = _mm256_set1_epi32(L.qc[r][g]);
+    const __m256 step = _mm256_set1_ps(L.qstep[r][g]);
+    for (int x = 0; x < 8; ++x) {
+      __m256i acc = _mm256_maddubs_epi16(T[0][x], Q[0]);
+      for (int k = 1; k < 8; ++k) acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(T[k][x], Q[k]));
+      const __m256i s32 = _mm256_sub_epi32(_mm256_madd_epi16(acc, ones), c8);
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s32), step);
+      _mm_store_ps(a + first[x], _mm256_castps256_ps128(f));
+      _mm_store_ps(a + first[x] + 16, _mm256_extractf128_ps(f, 1));
+    }
+    const __m256 qg = _mm256_set1_ps(L.qsum[g][r]);
+    float* s = st.sc[r];
+    for (int c = 0; c < BT / 8; ++c) {
+      const __m256 x = _mm256_fmadd_ps(_mm256_load_ps(zero + 8 * c), qg, _mm256_load_ps(s + 8 * c));
+      _mm256_store_ps(s + 8 * c, _mm256_fmadd_ps(_mm256_load_ps(scl + 8 * c), _mm256_load_ps(a + 8 * c), x));
+    }
+  }
+}
+
+// even/odd[r] += sum_t w_t (c_t - 8) + (8 sum_t w_t, via zs) with w_t = p_t vs_t quantised to u8
+// against the block's largest w of row r; zs[r][g] += sum_t p_t vz_t + 8 sum_t w_t (fp32).
+// int16 sums over 32 slots: |sum| <= 32 * 255 * 8 < 2^15.
+void l_values_group_i8(State& st, const uint8_t* vq, const float* vs, const float* vz, int g) {
+  __m256i C[BT / 4][4];  // slots 4m..4m+3: even dims j 0..7, even j 8..15, odd j 0..7, odd j 8..15
+  const __m256i m4 = _mm256_set1_epi8(15), e8 = _mm256_set1_epi8(8);
+  for (int m = 0; m < BT / 4; ++m) {
+    const uint8_t* b = vq + 4 * m * (QG / 2);
+    const __m128i t0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i t1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16));
+    const __m128i t2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32));
+    const __m128i t3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48));
+    const __m128i u = _mm_unpacklo_epi8(t0, t1), u2 = _mm_unpackhi_epi8(t0, t1);
+    const __m128i w = _mm_unpacklo_epi8(t2, t3), w2 = _mm_unpackhi_epi8(t2, t3);
+    const __m256i z0 = _mm256_set_m128i(_mm_unpackhi_epi16(u, w), _mm_unpacklo_epi16(u, w));    // bytes 0..7
+    const __m256i z1 = _mm256_set_m128i(_mm_unpackhi_epi16(u2, w2), _mm_unpacklo_epi16(u2, w2));  // bytes 8..15
+    C[m][0] = _mm256_sub_epi8(_mm256_and_si256(z0, m4), e8);
+    C[m][1] = _mm256_sub_epi8(_mm256_and_si256(z1, m4), e8);
+    C[m][2] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(z0, 4), m4), e8);
+    C[m][3] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(z1, 4), m4), e8);
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  alignas(32) float wf[BT];
+  alignas(32) uint8_t wq[BT];
+  for (int r = 0; r < st.grp; ++r) {
+    __m256 mx = _mm256_setzero_ps(), ws = _mm256_setzero_ps(), zv = _mm256_setzero_ps();
+    for (int c = 0; c < BT / 8; ++c) {  // weights past nt are 0 (absorb)
+      const __m256 p = _mm256_load_ps(st.sc[r] + 8 * c);
+      const __m256 w = _mm256_mul_ps(p, _mm256_load_ps(vs + 8 * c));
+      _mm256_store_ps(wf + 8 * c, w);
+      mx = _mm256_max_ps(mx, w);
+      ws = _mm256_add_ps(ws, w);
+      zv = _mm256_fmadd_ps(p, _mm256_load_ps(vz + 8 * c), zv);
+    }
+    st.zs[r][g] += hadd8(zv) + 8.0f * hadd8(ws);
+    const float wmax = hmax8(mx);
+    if (!(wmax > 0.0f)) continue;
+    const __m256 inv = _mm256_set1_ps(255.0f / wmax);
+    for (int c = 0; c < BT / 32; ++c) {
+      __m256i i[4];
+      for (int j = 0; j < 4; ++j)
+        i[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_load_ps(wf + 32 * c + 8 * j), inv),
+                                                _mm256_set1_ps(255.0f)));
+      const __m256i p16 = _mm256_packus_epi16(_mm256_packus_epi32(i[0], i[1]), _mm256_packus_epi32(i[2], i[3]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(wq + 32 * c), _mm256_permutevar8x32_epi32(p16, order));
+    }
+    __m256i s32[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int h = 0; h < 2; ++h) {  // 32 slots per int16 run
+      __m256i s16[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int m = 8 * h; m < 8 * h + 8; ++m) {
+        int32_t w4;
+        std::memcpy(&w4, wq + 4 * m, 4);
+        const __m256i wv = _mm256_set1_epi32(w4);
+        for (int j = 0; j < 4; ++j) s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(wv, C[m][j]));
+      }
+      for (int j = 0; j < 4; ++j) s32[j] = _mm256_add_epi32(s32[j], _mm256_madd_epi16(s16[j], ones));
+    }
+    const __m256 step = _mm256_set1_ps(wmax / 255.0f);
+    float* e = st.even[r] + g * (QG / 2);
+    float* o = st.odd[r] + g * (QG / 2);
+    _mm256_store_ps(e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[0]), step, _mm256_load_ps(e)));
+    _mm256_store_ps(e + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[1]), step, _mm256_load_ps(e + 8)));
+    _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[2]), step, _mm256_load_ps(o)));
+    _mm256_store_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[3]), step, _mm256_load_ps(o + 8)));
+  }
+}
+#endif
 
 // a[r][t] += qs[r][d] * codes[t] for every query row r (portable code-score accumulation, INT4 and INT2)
 inline void accumulate_codes(int grp, const float (*qs)[MAXD], int d, const float* codes, float (*a)[BT]) {
@@ -829,6 +994,14 @@ void blocked_key_scores(State& st, const LHead& L, int64_t cap, int64_t t0) {
       scl[t] = bf2f(sz[2 * t]);
       off[t] = bf2f(sz[2 * t + 1]) - 8.0f * scl[t];
     }
+#if defined(PASK_AVX2)
+    if (L.int8) {
+      alignas(64) float zero[BT];
+      for (int t = 0; t < BT; ++t) zero[t] = bf2f(sz[2 * t + 1]);
+      l_scores_group_i8(st, L, blk, g, scl, zero);
+      continue;
+    }
+#endif
 #if defined(__AVX512F__) || defined(PASK_AVX2)
     if (D == 64 || D == 128) {
       if (D == 64) l_scores_group<64>(st, L.qs, L.qsum[g], L.KQ, blk, g, scl, off);
@@ -867,6 +1040,12 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
         vsf[t] = bf2f(VS[base + t]);
         vzf[t] = bf2f(VZ[base + t]);
       }
+#if defined(PASK_AVX2)
+      if (L.int8) {
+        l_values_group_i8(st, VQ + base * (QG / 2), vsf, vzf, g);
+        continue;
+      }
+#endif
 #if defined(__AVX512F__) || defined(PASK_AVX2)
       l_values_group(st, VQ + base * (QG / 2), vsf, vzf, nt, g);
       continue;
@@ -1368,14 +1547,15 @@ void l2_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, 
 
 extern "C" {
 
-// The instruction set the decode kernels were compiled for.
+// The instruction set the decode kernels were compiled for ("+amx" / "+int8": the INT4 tier's
+// AMX or integer path is on).
 const char* pask_attention_isa() {
 #if defined(PASK_AMX)
   return amx_enabled() ? "avx512+amx" : "avx512";
 #elif defined(__AVX512F__)
   return "avx512";
 #elif defined(PASK_AVX2)
-  return "avx2";
+  return int8_wanted.load(std::memory_order_relaxed) != 0 ? "avx2+int8" : "avx2";
 #else
   return "portable";
 #endif
@@ -1387,6 +1567,18 @@ int pask_attention_use_amx(int want) {
 #if defined(PASK_AMX)
   amx_wanted.store(want != 0 ? 1 : 0);
   return amx_enabled() ? 1 : 0;
+#else
+  (void)want;
+  return 0;
+#endif
+}
+
+// Turns the AVX2 build's integer INT4 path on (want > 0) or off (want == 0), or leaves it (want <
+// 0); returns whether it is on now. Other builds: always 0.
+int pask_attention_use_int8(int want) {
+#if defined(PASK_AVX2)
+  if (want >= 0) int8_wanted.store(want != 0 ? 1 : 0);
+  return int8_wanted.load();
 #else
   (void)want;
   return 0;

@@ -72,6 +72,8 @@ def _load() -> ctypes.CDLL:
     lib.pask_attention_isa.restype = ctypes.c_char_p
     lib.pask_attention_use_amx.argtypes = [ctypes.c_int]
     lib.pask_attention_use_amx.restype = ctypes.c_int
+    lib.pask_attention_use_int8.argtypes = [ctypes.c_int]
+    lib.pask_attention_use_int8.restype = ctypes.c_int
     return lib
 
 
@@ -88,7 +90,12 @@ def _probe() -> str:
     if _REFERENCE_CHECK is None:
         _LIB = None
         return "unavailable: no reference check registered (import pask.kv first)"
-    err = _REFERENCE_CHECK()
+    int8 = lib.pask_attention_use_int8(-1)  # the probe checks the exact path (use_int8 is bounded apart)
+    lib.pask_attention_use_int8(0)
+    try:
+        err = _REFERENCE_CHECK()
+    finally:
+        lib.pask_attention_use_int8(int8)
     if err is not None:
         _LIB = None
         return f"probe mismatch (max abs error {err:.4f})"
@@ -115,8 +122,22 @@ def use_amx(on: bool) -> bool:
     return bool(_LIB.pask_attention_use_amx(int(on)))
 
 
+def use_int8(on: bool | None = None) -> bool:
+    """Turn the AVX2 build's integer path for the INT4 tier on or off (``None``: leave it); returns
+    whether it is on now (always False on other builds).
+
+    Scores take the balanced query rows in int8 per (row, 32-channel group) and values the softmax
+    weights in u8 per (row, 64-slot block), both against their largest magnitude, through
+    ``pmaddubsw``: an error bounded in ``tests/test_int8_attention.py``, not FP32-level, so it is
+    off by default (``PASK_INT8_ATTENTION=1`` starts with it on; docs/kernels.md#avx2-paths)."""
+    if _LIB is None and not available():
+        return False
+    return bool(_LIB.pask_attention_use_int8(-1 if on is None else int(on)))
+
+
 def isa() -> str | None:
-    """The instruction set the kernels run (``avx512+amx``, ``avx512``, ``avx2``, ``portable``), or None."""
+    """The instruction set the kernels run (``avx512+amx``, ``avx512``, ``avx2+int8``, ``avx2``,
+    ``portable``), or None."""
     return _LIB.pask_attention_isa().decode() if status() == "ok" and _LIB is not None else None
 
 
