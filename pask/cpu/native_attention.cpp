@@ -845,6 +845,8 @@ void l_scores_group_i8(State& st, const LHead& L, int64_t blk, int g, const floa
   const __m256i m4 = _mm256_set1_epi8(15);
   for (int k = 0; k < 8; ++k) {
     const uint8_t* row = L.KQ + (blk * D + g * QG + 4 * k) * (BT / 2);
+    prefetch(row + D * (BT / 2));  // the next block's rows (two per cache line)
+    prefetch(row + D * (BT / 2) + 64);
     __m256i lo[4], hi[4];
     for (int i = 0; i < 4; ++i) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i * (BT / 2)));
@@ -898,6 +900,7 @@ void l_values_group_i8(State& st, const uint8_t* vq, const float* vs, const floa
   const __m256i m4 = _mm256_set1_epi8(15), e8 = _mm256_set1_epi8(8);
   for (int m = 0; m < BT / 4; ++m) {
     const uint8_t* b = vq + 4 * m * (QG / 2);
+    prefetch(b + BT * (QG / 2));  // the next block's codes (four slots per cache line)
     const __m128i t0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
     const __m128i t1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16));
     const __m128i t2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32));
