@@ -39,6 +39,14 @@ inline uint16_t f2bf(float f) {  // round to nearest even (NaN stays NaN)
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// f2bf on 8 lanes for non-NaN inputs (what fma(code, scale, zero) of finite operands gives; an
+// overflow to +-inf rounds as f2bf does): each lane's bf16 bits in its low 16 bits (the high 16 are 0)
+inline __m256i f2bf8(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
 inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -342,6 +350,50 @@ void dequant_tiled(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, cons
         const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(a4[t][lane])), sc, ze);
         const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b4[t][lane])), sc, ze);
         _mm512_storeu_si512(out + (b * 16 + n - n0) * K + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      // per half of the block (8 outputs): the eight tile rows' dwords transposed 8 x 8, so output
+      // n's 32 codes come in input order; then fma and f2bf's rounding, vectorised (bit for bit)
+      for (int half = 0; half < 2 && 8 * half < nn; ++half) {
+        __m256i R[8];
+        if (bits == 8) {
+          for (int r = 0; r < 8; ++r) R[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * r + 32 * half));
+        } else {
+          const __m256i m15 = _mm256_set1_epi8(15);
+          for (int r = 0; r < 4; ++r) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * r + 32 * half));
+            R[r] = _mm256_and_si256(v, m15);
+            R[r + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+          }
+        }
+        __m256i t[8], u[8], col[8];
+        for (int j = 0; j < 4; ++j) {
+          t[2 * j] = _mm256_unpacklo_epi32(R[2 * j], R[2 * j + 1]);
+          t[2 * j + 1] = _mm256_unpackhi_epi32(R[2 * j], R[2 * j + 1]);
+        }
+        for (int j = 0; j < 2; ++j) {  // rows 4 j .. 4 j + 3: columns (0 | 4), (1 | 5), (2 | 6), (3 | 7)
+          u[4 * j + 0] = _mm256_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+          u[4 * j + 1] = _mm256_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+          u[4 * j + 2] = _mm256_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+          u[4 * j + 3] = _mm256_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+        }
+        for (int j = 0; j < 4; ++j) {
+          col[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+          col[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+        }
+        for (int i = 0; i < 8 && 8 * half + i < nn; ++i) {
+          const int n = 8 * half + i;
+          const __m256 sc = _mm256_set1_ps(bf2f(s[n])), ze = _mm256_set1_ps(bf2f(s[16 + n]));
+          const __m128i lo = _mm256_castsi256_si128(col[i]), hi = _mm256_extracti128_si256(col[i], 1);
+          const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+          __m256i bw[4];
+          for (int j = 0; j < 4; ++j)
+            bw[j] = f2bf8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j])), sc, ze));
+          uint16_t* o = out + (b * 16 + n - n0) * K + 32 * g;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_permute4x64_epi64(_mm256_packus_epi32(bw[0], bw[1]), 0xD8));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                              _mm256_permute4x64_epi64(_mm256_packus_epi32(bw[2], bw[3]), 0xD8));
+        }
       }
 #else
       alignas(64) float w[16][32];  // [output][input in the group]
