@@ -42,6 +42,7 @@ from pask.kv.cache import attention_config
 OUT = Path(__file__).parent / "results" / "native_attention"
 HKV, GRP, D = 2, 7, 64
 MIXES = {"all H": (1.0, 0.0, 0.0), "H/L/R thirds": (0.34, 0.33, 0.33), "mostly INT4": (0.05, 0.9, 0.05)}
+INT8_NAME, EXACT_NAME = "mostly INT4, integer path", "mostly INT4, exact path"  # the AVX2 build's other INT4 path
 
 
 def tiered_cache(batch: int, n: int, mix: tuple[float, float, float], gen, layers: int = 1):
@@ -107,8 +108,24 @@ def step_case(batch: int, n: int, layers: int, repeats: int) -> dict:
         name: (lambda c=c: [na.decode_layer(c.layers[i], q, D**-0.5) for i in range(layers)])
         for name, c in caches.items()
     }
+    before = na.use_int8()
+    if na.use_int8(not before) != before:  # the AVX2 build: time the INT4 tier both ways, interleaved
+
+        def other(c=caches["mostly INT4"], flag=not before):
+            na.use_int8(flag)
+            try:
+                return [na.decode_layer(c.layers[i], q, D**-0.5) for i in range(layers)]
+            finally:
+                na.use_int8(before)
+
+        fns[INT8_NAME if not before else EXACT_NAME] = other
+    na.use_int8(before)
     ms = median_ms(fns, repeats)
     out = {"batch": batch, "context": n, "layers": layers, "per_layer_ms": {}, "held_mb": {}, "gb_s": {}}
+    out["int8_default"] = before
+    for extra in (INT8_NAME, EXACT_NAME):
+        if extra in ms:
+            out["per_layer_ms"][extra] = round(ms[extra] / layers, 4)
     for name, c in caches.items():
         held, full = c.budget_bytes()
         per_layer = ms[name] / layers
@@ -117,6 +134,11 @@ def step_case(batch: int, n: int, layers: int, repeats: int) -> dict:
         out["gb_s"][name] = round(sum(held) / layers / 1e6 / per_layer, 2)
         out.setdefault("b_measured", {})[name] = round(sum(held) / sum(full), 4)
     out["int4_vs_bf16"] = round(out["per_layer_ms"]["mostly INT4"] / out["per_layer_ms"]["all H"], 3)
+    for extra in (INT8_NAME, EXACT_NAME):
+        if extra in out["per_layer_ms"]:
+            out["int4_vs_bf16_" + ("int8" if extra == INT8_NAME else "exact")] = round(
+                out["per_layer_ms"][extra] / out["per_layer_ms"]["all H"], 3
+            )
     return out
 
 
@@ -184,6 +206,15 @@ def markdown(r: dict) -> str:
                 f"{c['int4_vs_bf16']:.2f}x | {h['all H']:.1f} / {h['mostly INT4']:.1f} | "
                 f"{g['all H']:.1f} / {g['mostly INT4']:.1f} | {c['b_measured']['mostly INT4']:.3f} |"
             )
+        for c in r["step"]:
+            for extra, key in ((INT8_NAME, "int8"), (EXACT_NAME, "exact")):
+                if extra in c["per_layer_ms"]:
+                    lines.append(
+                        f"\nThe same step, interleaved, with the INT4 tier on the AVX2 build's "
+                        f"{'integer' if key == 'int8' else 'exact'} path (`PASK_INT8_ATTENTION`; the row above: "
+                        f"{'on' if c.get('int8_default') else 'off'}): {c['per_layer_ms'][extra]:.3f} ms / layer, "
+                        f"{c['int4_vs_bf16_' + key]:.2f}x the all-BF16 layer (context {c['context']})."
+                    )
     mv = r["move"]
     lines += [
         "",
