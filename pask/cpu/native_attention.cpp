@@ -124,6 +124,19 @@ inline __m256 fexp8(__m256 x) {  // fexp on 8 lanes
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// e^x to ~9e-5 relative for the integer INT4 path, whose u8 weights keep 1/255 of the largest
+// (2^(x log2 e): floor, a cubic for 2^f on [0, 1), the exponent bits); x clamped at -87.
+inline __m256 fexp8_fast(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.07706861f), f, _mm256_set1_ps(0.22765176f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69511112f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 inline float hmax8(__m256 v) {
   __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_max_ps(a, _mm_movehl_ps(a, a));
@@ -178,7 +191,7 @@ struct State {
 
   // Online-softmax step over sc[r][0..nt): rescale the running state, turn scores into weights
   // (weights of slots nt..BT-1 are set to 0).
-  void absorb(int nt) {
+  void absorb(int nt, [[maybe_unused]] bool fast = false) {
     if (trace != nullptr) {
       for (int r = 0; r < grp; ++r) std::copy(sc[r], sc[r] + nt, trace + r * tstride + toff);
       toff += nt;
@@ -191,6 +204,12 @@ struct State {
         continue;
       }
       rescale(r, mn);
+#if defined(PASK_AVX2)
+      if (fast) {
+        l[r] += exp_block_fast(s, nt, mn);
+        continue;
+      }
+#endif
       l[r] += exp_block(s, nt, mn);
     }
   }
@@ -248,6 +267,21 @@ struct State {
       sum = _mm256_add_ps(sum, p);
     }
     return hadd8(sum);
+  }
+  // exp_block with fexp8_fast (the integer INT4 path), the live-slot mask only on a partial block
+  static float exp_block_fast(float* s, int nt, float mn) {
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256 m = _mm256_set1_ps(mn);
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int t = 0; t < BT; t += 8) {
+      __m256 p = fexp8_fast(_mm256_sub_ps(_mm256_load_ps(s + t), m));
+      if (nt < BT)
+        p = _mm256_and_ps(_mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(t))),
+                                        _mm256_set1_ps(static_cast<float>(nt)), _CMP_LT_OQ), p);
+      _mm256_store_ps(s + t, p);
+      sum[(t / 8) & 1] = _mm256_add_ps(sum[(t / 8) & 1], p);
+    }
+    return hadd8(_mm256_add_ps(sum[0], sum[1]));
   }
 #else
   static float block_max(const float* s, int nt) {
@@ -919,17 +953,24 @@ void l_values_group_i8(State& st, const uint8_t* vq, const float* vs, const floa
   alignas(32) float wf[BT];
   alignas(32) uint8_t wq[BT];
   for (int r = 0; r < st.grp; ++r) {
-    __m256 mx = _mm256_setzero_ps(), ws = _mm256_setzero_ps(), zv = _mm256_setzero_ps();
-    for (int c = 0; c < BT / 8; ++c) {  // weights past nt are 0 (absorb)
+    __m256 w[BT / 8], z[BT / 8];  // weights past nt are 0 (absorb)
+    for (int c = 0; c < BT / 8; ++c) {
       const __m256 p = _mm256_load_ps(st.sc[r] + 8 * c);
-      const __m256 w = _mm256_mul_ps(p, _mm256_load_ps(vs + 8 * c));
-      _mm256_store_ps(wf + 8 * c, w);
-      mx = _mm256_max_ps(mx, w);
-      ws = _mm256_add_ps(ws, w);
-      zv = _mm256_fmadd_ps(p, _mm256_load_ps(vz + 8 * c), zv);
+      w[c] = _mm256_mul_ps(p, _mm256_load_ps(vs + 8 * c));
+      z[c] = _mm256_mul_ps(p, _mm256_load_ps(vz + 8 * c));
+      _mm256_store_ps(wf + 8 * c, w[c]);
     }
-    st.zs[r][g] += hadd8(zv) + 8.0f * hadd8(ws);
-    const float wmax = hmax8(mx);
+    __m256 mx[4], ws[4], zv[4];  // pairwise trees, not 8-long dependency chains
+    for (int c = 0; c < 4; ++c) {
+      mx[c] = _mm256_max_ps(w[c], w[c + 4]);
+      ws[c] = _mm256_add_ps(w[c], w[c + 4]);
+      zv[c] = _mm256_add_ps(z[c], z[c + 4]);
+    }
+    const __m256 mx2 = _mm256_max_ps(_mm256_max_ps(mx[0], mx[1]), _mm256_max_ps(mx[2], mx[3]));
+    const __m256 ws2 = _mm256_add_ps(_mm256_add_ps(ws[0], ws[1]), _mm256_add_ps(ws[2], ws[3]));
+    const __m256 zv2 = _mm256_add_ps(_mm256_add_ps(zv[0], zv[1]), _mm256_add_ps(zv[2], zv[3]));
+    st.zs[r][g] += hadd8(_mm256_fmadd_ps(ws2, _mm256_set1_ps(8.0f), zv2));
+    const float wmax = hmax8(mx2);
     if (!(wmax > 0.0f)) continue;
     const __m256 inv = _mm256_set1_ps(255.0f / wmax);
     for (int c = 0; c < BT / 32; ++c) {
@@ -1036,7 +1077,11 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
   for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
     const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
     blocked_key_scores(st, L, cap, t0);
+#if defined(PASK_AVX2)
+    st.absorb(nt, L.int8);
+#else
     st.absorb(nt);
+#endif
     for (int g = 0; g < G; ++g) {
       const int64_t base = static_cast<int64_t>(g) * cap + t0;
       for (int t = 0; t < BT; ++t) {  // whole block (finite stale / zero data past nt, weight 0)
