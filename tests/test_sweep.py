@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
 import shutil
@@ -589,6 +590,24 @@ def test_prints_a_line_per_finished_cell_without_a_tty(tmp_path, fake, capsys):
         assert re.search(r": 4 cases \(4 run now\), accuracy 50\.00, B (\d\.\d{3}|–), \d+\.\d s$", line), line
     run_sweep(cfg, load=no_model)  # nothing left to run: the opening line only
     assert capsys.readouterr().out.splitlines() == ["sweep: 0 of 2 cells to run (0 cases)"]
+
+
+def test_a_long_cell_reports_its_progress_without_a_tty(tmp_path, fake, capsys, monkeypatch):
+    """Between the opening line and the cell lines: a running cell's count, rate and time left, at
+    most once a minute (each monotonic() call here is 61 s later)."""
+    clock = itertools.count(0, 61)
+    monkeypatch.setattr(sweep, "_now", lambda: float(next(clock)))
+    run_sweep(parse_config(fake_config(tmp_path), tmp_path), load=no_model)
+    lines = capsys.readouterr().out.splitlines()
+    running = [line for line in lines if line.startswith("  ")]
+    assert running, lines
+    for line in running:
+        m = re.fullmatch(
+            r"  smollm2-135m/fake/test/(full-b1|kivi-4-b0\.5): (\d) / 4 cases, (\d+\.\d) a minute(.*)", line
+        )
+        assert m and int(m.group(2)) < 4, line
+        assert m.group(4) == "" or re.fullmatch(r", ~\d+ min left", m.group(4)), line
+    assert lines[0].startswith("sweep: ") and lines[-1].startswith("[2/2] ")
 
 
 def test_keeps_quiet_on_a_terminal(tmp_path, fake, monkeypatch):

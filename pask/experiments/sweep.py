@@ -1065,19 +1065,27 @@ def _cell_record(summary: dict, wall: float, ran: int) -> dict:
     return {"cases_run": ran, "wall_s": round(wall, 2), "accuracy": acc, "measured_b": summary.get("measured_b")}
 
 
+_now = time.monotonic  # the progress lines' clock (tests replace it)
+
+
 class _Tracker:
     """Overall progress: cases finished across all cells (a cell's runner reports its own count).
 
     Without a terminal (output to a file or a CI log, where the progress bar draws nothing) it
-    also prints plain lines to stdout: the cells to run at the start, then one line per finished
-    cell (name, cases, score, measured B, wall time).
+    also prints plain lines to stdout: the cells to run at the start, a running cell's count, rate
+    and time left at most every ``every`` seconds (a BFCL-600 cell can take hours on two cores),
+    then one line per finished cell (name, cases, score, measured B, wall time).
     """
+
+    every = 60.0  # seconds between a running cell's progress lines
 
     def __init__(self, plans: list[CellPlan], progress: Progress | None) -> None:
         self.total = sum(len(p.cases) for p in plans)
         self.per_cell = {p.cell.name: p.n_done for p in plans}
         self.progress = progress
         self.lines = not (_isatty(sys.stdout) and _isatty(sys.stderr))
+        self.started: dict[str, tuple[float, int]] = {}  # cell -> (first report's time, its count)
+        self.last_line = _now()
         self.to_run = sum(p.state != "done" for p in plans)
         self.finished = 0
         if self.lines:
@@ -1090,8 +1098,16 @@ class _Tracker:
             self.progress(sum(self.per_cell.values()), self.total, desc)
 
     def set(self, p: CellPlan, n: int) -> None:
-        self.per_cell[p.cell.name] = min(n, len(p.cases))
-        self.show(p.cell.name)
+        name, n = p.cell.name, min(n, len(p.cases))
+        self.per_cell[name] = n
+        self.show(name)
+        now = _now()
+        t0, n0 = self.started.setdefault(name, (now, n))
+        if self.lines and n < len(p.cases) and now - self.last_line >= self.every:
+            self.last_line = now
+            rate = (n - n0) / (now - t0) * 60 if now > t0 else 0.0
+            left = f", ~{(len(p.cases) - n) / rate:.0f} min left" if rate > 0 else ""
+            _say(f"  {name}: {n} / {len(p.cases)} cases, {rate:.1f} a minute{left}")
 
     def cell_finished(self, p: CellPlan, summary: dict, wall: float, ran: int) -> None:
         self.finished += 1
