@@ -132,3 +132,24 @@ def test_batch_rows_are_independent(int8):
     q2[0] *= 3  # another row's query changes
     _, fast2 = _both(layer, q2, 64)
     torch.testing.assert_close(fast2[1:], fast[1:], rtol=0, atol=0)
+
+
+def test_step_weights_on_the_integer_path(int8):
+    """Ranking policies read the step's softmax weights: on the integer path they still sum to one
+    per kv head, follow its (int8-query) scores, stay near the exact path's, and the output is the
+    plain call's."""
+    _, layer = _layer(2, 7, 64, [300, 90], [(0.2, 0.7, 0.1)] * 2, seed=11)
+    q = torch.randn(2, 14, 1, 64, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    before = na.use_int8()
+    try:
+        na.use_int8(False)
+        _, exact = na.decode_layer(layer, q, 64**-0.5, weights=True)
+        na.use_int8(True)
+        out, probs = na.decode_layer(layer, q, 64**-0.5, weights=True)
+        assert torch.equal(out, na.decode_layer(layer, q, 64**-0.5))
+    finally:
+        na.use_int8(before)
+    for p, e in zip(probs, exact, strict=True):
+        assert p.shape == e.shape
+        torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[0]), atol=1e-3, rtol=0)
+        assert float((p - e).abs().max()) <= 0.05 * float(e.abs().max())
