@@ -153,3 +153,14 @@ def test_step_weights_on_the_integer_path(int8):
         assert p.shape == e.shape
         torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[0]), atol=1e-3, rtol=0)
         assert float((p - e).abs().max()) <= 0.05 * float(e.abs().max())
+
+
+@pytest.mark.parametrize("mix", [(0.3, 0.6, 0.1), (1.0, 0.0, 0.0)])
+def test_int2_and_bf16_tiers_are_untouched(int8, mix):
+    """The switch changes only the INT4 tier (and K4V2's INT4 keys): a cache of BF16 and plain INT2
+    slots (MiKV's low tier) decodes bit for bit the same either way."""
+    _, layer = _layer(2, 7, 64, [400, 130], [mix] * 2, seed=13, bits=2)
+    assert all(s.low(4).n == 0 for s in layer.seqs)
+    q = torch.randn(2, 14, 1, 64, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    exact, fast = _both(layer, q, 64)
+    assert torch.equal(exact, fast)
