@@ -1034,18 +1034,22 @@ void blocked_key_scores(State& st, const LHead& L, int64_t cap, int64_t t0) {
     for (int t = 0; t < BT; ++t) st.sc[r][t] = L.cst[r];
   for (int g = 0; g < G; ++g) {
     const uint16_t* sz = L.KSZ + (static_cast<int64_t>(g) * cap + t0) * 2;
-    for (int t = 0; t < BT; ++t) {  // whole block: slots past nt hold finite stale / zero data
-      scl[t] = bf2f(sz[2 * t]);
-      off[t] = bf2f(sz[2 * t + 1]) - 8.0f * scl[t];
-    }
 #if defined(PASK_AVX2)
-    if (L.int8) {
+    if (L.int8) {  // (scale, zero) bf16 pairs as dwords: scale = the low half << 16, zero = the high half
       alignas(64) float zero[BT];
-      for (int t = 0; t < BT; ++t) zero[t] = bf2f(sz[2 * t + 1]);
+      for (int t = 0; t < BT; t += 8) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * t));
+        _mm256_store_ps(scl + t, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        _mm256_store_ps(zero + t, _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536))));
+      }
       l_scores_group_i8(st, L, blk, g, scl, zero);
       continue;
     }
 #endif
+    for (int t = 0; t < BT; ++t) {  // whole block: slots past nt hold finite stale / zero data
+      scl[t] = bf2f(sz[2 * t]);
+      off[t] = bf2f(sz[2 * t + 1]) - 8.0f * scl[t];
+    }
 #if defined(__AVX512F__) || defined(PASK_AVX2)
     if (D == 64 || D == 128) {
       if (D == 64) l_scores_group<64>(st, L.qs, L.qsum[g], L.KQ, blk, g, scl, off);
