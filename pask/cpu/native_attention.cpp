@@ -827,9 +827,9 @@ struct LHead {
   alignas(64) float qs[MAXR][MAXD];
   alignas(64) float qsum[MAXD / QG][MAXR];
   alignas(64) float cst[MAXR];
+  bool int8 = false;  // the AVX2 build's integer path (int8_wanted) runs this head's INT4 tier
 #if defined(PASK_AVX2)
-  // the integer path (int8_wanted): qs ~ qi * qstep per (row, group), |qi| <= 127; qc = 8 * sum(qi)
-  bool int8 = false;
+  // qs ~ qi * qstep per (row, group), |qi| <= 127; qc = 8 * sum(qi)
   alignas(32) int8_t qi[MAXR][MAXD];
   float qstep[MAXR][MAXD / QG];
   int32_t qc[MAXR][MAXD / QG];
@@ -1081,11 +1081,7 @@ void l_stream(State& st, const float (*qf)[MAXD], float scaling, const Seq& s, i
   for (int64_t t0 = 0; t0 < s.ln; t0 += BT) {
     const int nt = static_cast<int>(std::min<int64_t>(BT, s.ln - t0));
     blocked_key_scores(st, L, cap, t0);
-#if defined(PASK_AVX2)
     st.absorb(nt, L.int8);
-#else
-    st.absorb(nt);
-#endif
     for (int g = 0; g < G; ++g) {
       const int64_t base = static_cast<int64_t>(g) * cap + t0;
       for (int t = 0; t < BT; ++t) {  // whole block (finite stale / zero data past nt, weight 0)
