@@ -49,6 +49,106 @@ def int8_reference(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: in
     return y + (0 if b is None else b.double())
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fma(a, b, c), exactly: a * b is exact in float64 here (an integer below 2^24 or a float32
+    times a float32), the sum rounded to odd at 53 bits (TwoSum's error nudges an even result one
+    step towards it), then to nearest even at 24 bits: one correct rounding of the exact value."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    nudge = (err != 0) & even
+    s = torch.where(nudge, torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).double()), s)
+    return s.float()
+
+
+def int8_exact(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: int, b) -> torch.Tensor:
+    """The int8-activation kernels (AMX-INT8 tiles, AVX2 pmaddubsw) step by step in fp32: x8 =
+    rne(x * fp32(127 / absmax)), a = fp32(absmax / 127), xs summed in _mm512_reduce_add_ps's order,
+    C exact, then per group acc = fma(C, fp32(s a), acc), acc = fma(z, xs, acc); + bias (fp32, before
+    the output's rounding to bf16)."""
+    m, k = x.shape
+    groups = k // W.GROUP
+    xf = x.float().reshape(m, groups, W.GROUP)
+    amax = xf.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    a = amax / torch.full_like(amax, 127.0)
+    x8 = (xf * inv.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int64)
+    s16 = xf[..., :16] + xf[..., 16:]
+    t3 = s16[..., 8:] + s16[..., :8]
+    t6 = t3[..., 4:] + t3[..., :4]
+    xs = (t6[..., 0] + t6[..., 2]) + (t6[..., 1] + t6[..., 3])
+    nb = codes.shape[0]
+    q = W.codes_of(codes).reshape(nb * 16, groups, W.GROUP).to(torch.int64)[:n]
+    s, z = (t.float()[:n] for t in W.scales_of(sz))
+    cg = torch.einsum("mgk,ngk->mng", x8, q).float()  # exact: |C| < 2^20
+    acc = torch.zeros(m, n)
+    for g in range(groups):
+        acc = fma32(cg[:, :, g], s[:, g].unsqueeze(0) * a[:, g].unsqueeze(1), acc)
+        acc = fma32(z[:, g].unsqueeze(0).expand(m, n), xs[:, g].unsqueeze(1).expand(m, n), acc)
+    if b is not None:
+        acc = acc + b.float()
+    return acc
+
+
+def test_fma32_rounds_once():
+    # (1 + 2^-11)(1 - 4094 * 2^-23) = 1 + 2^-33 exactly; + 2^24 lies just above the midpoint 2^24 + 1 of
+    # two float32s: float64 rounds it onto the midpoint and float32 then to even (2^24); fma gives 2^24 + 2
+    a, b, c = torch.tensor([1 + 2.0**-11]), torch.tensor([1 - 4094 * 2.0**-23]), torch.tensor([2.0**24])
+    assert (a.double() * b.double() + c.double()).float().item() == 2.0**24
+    assert fma32(a, b, c).item() == 2.0**24 + 2
+    assert fma32(a, -b, -c).item() == -(2.0**24 + 2)
+    assert fma32(torch.tensor([3.0]), torch.tensor([0.5]), torch.tensor([1.0])).item() == 2.5
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    m=st.integers(1, ng.MAX_ROWS),
+    n=st.integers(1, 40),
+    groups=st.integers(1, 6),
+    bias=st.booleans(),
+    bits=st.sampled_from([4, 8]),
+    zero_group=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_activation_kernel_is_its_arithmetic_bit_for_bit(gemv, m, n, groups, bias, bits, zero_group, seed):
+    if ng.quant_kernel() == "dequant":
+        pytest.skip("no int8-activation kernel here")
+    gen = torch.Generator().manual_seed(seed)
+    k = groups * W.GROUP
+    codes, sz = W.quantize(torch.randn(n, k, generator=gen) * 0.1, bits)
+    # magnitudes spread over 2^-12 .. 2^12 within a group: its fp32 sum and z * sum are inexact, so
+    # their order and fusion show (with bf16 values of one scale they are exact in any order)
+    spread = torch.exp2(torch.randint(-12, 13, (m, k), generator=gen).float())
+    x = (torch.randn(m, k, generator=gen) * spread).bfloat16()
+    if zero_group:  # a group of zeros: scale 0, codes 0
+        x[0, : W.GROUP] = 0
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    want = int8_exact(x, codes, sz, n, b)
+    assert torch.equal(ng.linear_quant(x, codes, sz, n, bits, b), want.bfloat16())
+    if not ng.has_bf16_io():  # the AVX2 kernel's fp32 sums themselves, before the rounding to bf16
+        assert torch.equal(ng.linear_quant_f32(x, codes, sz, n, bits, b), want)
+
+
+def test_avx2_int8_linears_switch(gemv):
+    """use_int8_linears(False) runs the dequantised kernels (bit for bit), True the int8 kernel; None reads."""
+    if ng.quant_kernel() not in ("avx2-int8", "dequant") or ng.quant_amx():
+        pytest.skip("AMX tiles run decode rows here")
+    was = ng.use_int8_linears(None)
+    codes, sz = W.quantize(torch.randn(24, 64), 8)
+    x = torch.randn(3, 64).bfloat16()
+    try:
+        if not ng.use_int8_linears(True):
+            pytest.skip("no AVX2 int8 kernel in this build")
+        assert ng.quant_kernel() == "avx2-int8" and ng.use_int8_linears(None)
+        assert torch.equal(ng.linear_quant_f32(x, codes, sz, 24, 8), int8_exact(x, codes, sz, 24, None))
+        assert not ng.use_int8_linears(False) and ng.quant_kernel() == "dequant"
+        assert torch.equal(ng.linear_quant(x, codes, sz, 24, 8), ng.linear(x, ng.dequant(codes, sz, 24, 8)).bfloat16())
+    finally:
+        ng.use_int8_linears(was)
+
+
 # -- quantisation and layout (PyTorch only) ---------------------------------------------------------
 @settings(max_examples=40, deadline=None)
 @given(
@@ -148,7 +248,7 @@ def test_quantised_linear_is_its_reference_and_batch_invariant(gemv, m, n, group
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     y = ng.linear_quant(x, codes, sz, n, bits, b)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    if ng.quant_amx():  # int8 activations: within the bf16 rounding of the output (and fp32 sums)
+    if ng.quant_kernel() != "dequant":  # int8 activations: within the bf16 rounding of the output (and fp32 sums)
         want = int8_reference(x, codes, sz, n, b)
         tol = want.abs() * 2**-8 + want.abs().amax() * 1e-5 + 1e-6
         assert torch.all((y.double() - want).abs() <= tol)

@@ -825,7 +825,9 @@ def decode_linears(model) -> str:
 
     w = getattr(model, "pask_weights", None) or {}
     if w.get("layers"):
-        how = "AMX-INT8 tiles" if native_gemv.quant_amx() else f"bf16 kernels, {native_gemv.isa()}"
+        kernel = native_gemv.quant_kernel()
+        how = {"amx-int8": "AMX-INT8 tiles", "avx2-int8": "AVX2 int8 products"}.get(kernel)
+        how = how or f"bf16 kernels, {native_gemv.isa()}"
         return f"native {w['weights'].upper()} GEMV ({how}, {w['layers']} layers)"
     n = getattr(model, "pask_bf16_gemv_linears", 0)
     return f"native bf16 GEMV ({native_gemv.isa()}, {n} layers)" if n else "PyTorch"

@@ -530,6 +530,169 @@ void quant_rows(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const i
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(PASK_GEMV_BF16)
+#define PASK_QUANT_AVX2 1
+// ---- Decode rows over a tiled INT4 / INT8 weight on AVX2 integer dot products ----------------
+// The AMX-INT8 kernel's arithmetic (above), on 8 lanes: x quantised per row and group of 32
+// (x8 = rne(x * 127 / absmax), a = absmax / 127, xs = the group's fp32 sum, summed in
+// _mm512_reduce_add_ps's order), C = x8 . codes exact in integers, y += a s C + z xs in fp32 group
+// after group with the same fused operations, then + bias: bit for bit what the AMX kernel computes
+// from the same bf16 input (x arrives as fp32 holding bf16 values). Lanes are 8 outputs (half a
+// 16-output block): a tile row's 32 bytes hold each output's 4 codes for inputs 4 r .. 4 r + 3, so
+// x's 4 bytes for those inputs, broadcast, meet them in pmaddubsw (u8 codes x s8 inputs, pairs
+// summed in int16). Codes of 4 bits need nothing more: |pair| <= 2 * 15 * 127 and 8 tile rows sum
+// to <= 30480, inside int16. Codes of 8 bits are split into nibbles, each summed that way, and joined
+// in int32 as lo + 16 hi (pmaddwd). An INT8 weight thus costs two pmaddubsw per 32 products and
+// no dequantisation; a row's sums never depend on its batch-mates.
+std::atomic<int> int8_linear_wanted{[] {
+  const char* e = std::getenv("PASK_INT8_LINEAR");
+  return e != nullptr && e[0] == '0' ? 0 : 1;
+}()};
+
+// x [M, K] fp32 -> x8 [M, K] s8, a [M, G], xs [M, G] (quantize_rows's arithmetic).
+void quantize_rows_f32(int64_t M, int64_t K, const float* x, int8_t* x8, float* a, float* xs) {
+  const int64_t G = K / 32;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xp = x + m * K + 32 * g;
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xp + 8 * j);
+      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                      _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float amax = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1)));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      a[m * G + g] = amax / 127.0f;
+      // _mm512_reduce_add_ps(x[0:16] + x[16:32]): halves of 8, then 4, then lanes (0 + 2) + (1 + 3)
+      const __m256 t3 = _mm256_add_ps(_mm256_add_ps(v[1], v[3]), _mm256_add_ps(v[0], v[2]));
+      const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+      const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+      xs[m * G + g] = _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+      const __m256 iv = _mm256_set1_ps(inv);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], iv));
+      // saturating packs (as cvtsepi32_epi8), then the dwords back in input order
+      const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x8 + m * K + 32 * g), _mm256_permutevar8x32_epi32(b8, order));
+    }
+}
+
+inline __m256i bcast4(const int8_t* p) {  // 4 bytes to every dword
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// s + p in int16, kept in a register as a running sum: without the empty asm, GCC re-associates the
+// integer sums (all products first, spilled, then a tree), which runs 2x slower
+inline __m256i add16(__m256i s, __m256i p) {
+  s = _mm256_add_epi16(s, p);
+  __asm__("" : "+x"(s));
+  return s;
+}
+
+// Outputs 16 b + 8 h .. + 7 (those below N) of MT rows (x8 row stride K; y row stride N), BITS 4 or 8.
+template <int MT, int BITS>
+void quant_half_avx2(int64_t K, int64_t N, int64_t b, int h, const int8_t* x8, const float* a, const float* xs,
+                     const uint8_t* codes, const uint16_t* sz, const float* bias, float* y) {
+  const int64_t G = K / 32;
+  const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* c = tile_codes(codes, G, b, g, BITS) + 32 * h;
+    const int8_t* xg = x8 + 32 * g;
+    __m256i C[MT];
+    if constexpr (BITS == 4) {
+      __m256i S[MT];
+      for (int m = 0; m < MT; ++m) S[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {  // byte of row r: tile row r (low nibble), r + 4 (high)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * r));
+        const __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+        for (int m = 0; m < MT; ++m) {
+          S[m] = add16(S[m], _mm256_maddubs_epi16(lo, bcast4(xg + m * K + 4 * r)));
+          S[m] = add16(S[m], _mm256_maddubs_epi16(hi, bcast4(xg + m * K + 4 * r + 16)));
+        }
+      }
+      for (int m = 0; m < MT; ++m) C[m] = _mm256_madd_epi16(S[m], ones);
+    } else {  // both nibbles' sums in registers, each broadcast of x serving two products
+      __m256i L[MT], H[MT];
+      for (int m = 0; m < MT; ++m) L[m] = H[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * r));
+        const __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+        for (int m = 0; m < MT; ++m) {
+          const __m256i xb = bcast4(xg + m * K + 4 * r);
+          L[m] = add16(L[m], _mm256_maddubs_epi16(lo, xb));
+          H[m] = add16(H[m], _mm256_maddubs_epi16(hi, xb));
+        }
+      }
+      for (int m = 0; m < MT; ++m)
+        C[m] = _mm256_add_epi32(_mm256_madd_epi16(L[m], ones), _mm256_slli_epi32(_mm256_madd_epi16(H[m], ones), 4));
+    }
+    const uint16_t* s = tile_sz(sz, G, b, g) + 8 * h;
+    const __m256 sv = bf16x8(s), zv = bf16x8(s + 16);
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(C[m]), _mm256_mul_ps(sv, _mm256_set1_ps(a[m * G + g])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[m * G + g]), acc[m]);
+    }
+  }
+  const int64_t n0 = 16 * b + 8 * h;
+  if (n0 + 8 <= N) {
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(y + m * N + n0, _mm256_add_ps(acc[m], bv));
+    return;
+  }
+  const int nn = static_cast<int>(N - n0);  // the last outputs: fewer than 8
+  alignas(32) float out[8];
+  alignas(32) float bv[8] = {};
+  if (bias)
+    for (int i = 0; i < nn; ++i) bv[i] = bias[n0 + i];
+  for (int m = 0; m < MT; ++m) {
+    _mm256_store_ps(out, _mm256_add_ps(acc[m], _mm256_load_ps(bv)));
+    for (int i = 0; i < nn; ++i) y[m * N + n0 + i] = out[i];
+  }
+}
+
+template <int BITS, int RT>
+void quant_rows_bits(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const int8_t* x8, const float* a,
+                     const float* xs, const uint8_t* codes, const uint16_t* sz, const float* bias, float* y) {
+  const int64_t G = K / 32;
+  for (int64_t b = b0; b < b1; ++b)
+    for (int h = 0; h < 2 && 16 * b + 8 * h < N; ++h)
+      for (int64_t m0 = 0; m0 < M; m0 += RT) {
+        const int64_t mt = std::min<int64_t>(RT, M - m0);
+        const int8_t* xq = x8 + m0 * K;
+        const float *ap = a + m0 * G, *xp = xs + m0 * G;
+        float* yp = y + m0 * N;
+        switch (mt) {
+          case 1: quant_half_avx2<1, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 2: quant_half_avx2<2, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 3: quant_half_avx2<3, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 4: quant_half_avx2<4, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 5: quant_half_avx2<(RT > 5 ? 5 : RT), BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 6: quant_half_avx2<(RT > 6 ? 6 : RT), BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 7: quant_half_avx2<(RT > 7 ? 7 : RT), BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          default: quant_half_avx2<RT, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+        }
+      }
+}
+
+// Output blocks [b0, b1) of M rows, 4 rows at a time (registers for two int16 sums per row).
+void quant_rows_avx2(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const int8_t* x8, const float* a,
+                     const float* xs, const uint8_t* codes, const uint16_t* sz, const float* bias, float* y, int bits) {
+  if (bits == 4)
+    quant_rows_bits<4, 4>(M, K, N, b0, b1, x8, a, xs, codes, sz, bias, y);
+  else
+    quant_rows_bits<8, 4>(M, K, N, b0, b1, x8, a, xs, codes, sz, bias, y);
+}
+#endif
+
 // Columns in chunks of NC for the fp32 path. Where x is much larger than L1 (e.g. 8 rows of a
 // 4864-wide MLP input), the reduction runs in slices of 512 so that a slice of x stays in L1 while
 // the chunk's weight rows stream past it; otherwise slicing only breaks the weight stream (measured
@@ -672,6 +835,24 @@ int pask_dequant_q(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, cons
 int pask_linear_q(int64_t M, int64_t K, int64_t N, const float* x, const uint8_t* codes, const uint16_t* sz,
                   const float* bias, float* y, int bits, int nthreads) {
   if (M <= 0 || K <= 0 || N <= 0 || K % 32 != 0 || (bits != 4 && bits != 8)) return -1;
+#if defined(PASK_QUANT_AVX2)
+  if (M <= 16 && int8_linear_wanted.load(std::memory_order_relaxed) != 0) {
+    const int64_t G = K / 32;
+    thread_local std::vector<int8_t> x8;
+    thread_local std::vector<float> av, xsv;
+    x8.resize(static_cast<size_t>(M * K));
+    av.resize(static_cast<size_t>(M * G));
+    xsv.resize(static_cast<size_t>(M * G));
+    quantize_rows_f32(M, K, x, x8.data(), av.data(), xsv.data());
+    const int8_t* xq = x8.data();
+    const float *ap = av.data(), *xp = xsv.data();
+    const int64_t blocks = (N + 15) / 16, chunks = (blocks + 3) / 4;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int64_t c = 0; c < chunks; ++c)
+      quant_rows_avx2(M, K, N, 4 * c, std::min(blocks, 4 * (c + 1)), xq, ap, xp, codes, sz, bias, y, bits);
+    return 0;
+  }
+#endif
   const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
   for (int64_t c = 0; c < chunks; ++c) {
@@ -736,6 +917,30 @@ int pask_q_amx() {
 #if defined(PASK_QUANT_AMX)
   return gemv_amx_wanted() && amx_granted() ? 1 : 0;
 #else
+  return 0;
+#endif
+}
+
+// The kernel for decode rows over a tiled weight: "amx-int8", "avx2-int8" (both int8 activations per
+// group of 32) or "dequant" (the bf16 / fp32 kernels over dequantised rows).
+const char* pask_q_kernel() {
+#if defined(PASK_QUANT_AMX)
+  if (gemv_amx_wanted() && amx_granted()) return "amx-int8";
+#endif
+#if defined(PASK_QUANT_AVX2)
+  if (int8_linear_wanted.load(std::memory_order_relaxed) != 0) return "avx2-int8";
+#endif
+  return "dequant";
+}
+
+// Turns the AVX2 integer path of pask_linear_q on or off (want >= 0) and returns whether it is on
+// (0 where the build has none); want < 0 only reads.
+int pask_q_use_int8(int want) {
+#if defined(PASK_QUANT_AVX2)
+  if (want >= 0) int8_linear_wanted.store(want != 0 ? 1 : 0);
+  return int8_linear_wanted.load(std::memory_order_relaxed);
+#else
+  (void)want;
   return 0;
 #endif
 }

@@ -56,6 +56,9 @@ def _probe() -> str:
     lib.pask_dequant_q.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
     lib.pask_dequant_q.restype = ctypes.c_int
     lib.pask_q_amx.restype = ctypes.c_int
+    lib.pask_q_kernel.restype = ctypes.c_char_p
+    lib.pask_q_use_int8.argtypes = [ctypes.c_int]
+    lib.pask_q_use_int8.restype = ctypes.c_int
     _LIB = lib
     gen = torch.Generator().manual_seed(0)
     for m, k, n, bias in ((1, 64, 40, False), (3, 136, 17, True), (8, 256, 33, True), (11, 64, 5, False)):
@@ -194,13 +197,51 @@ def quant_amx() -> bool:
     return available() and _LIB is not None and bool(_LIB.pask_q_amx())
 
 
+def quant_kernel() -> str:
+    """The kernel :func:`linear_quant` runs decode rows on here: ``amx-int8`` / ``avx2-int8`` (the
+    input quantised to int8 per group of 32, the same arithmetic bit for bit: AMX-INT8 tiles or
+    AVX2 ``pmaddubsw``) or ``dequant`` (the bf16 / fp32 kernels over dequantised rows)."""
+    return _LIB.pask_q_kernel().decode() if available() and _LIB is not None else "dequant"
+
+
+def use_int8_linears(on: bool | None) -> bool:
+    """Turn the AVX2 integer path of :func:`linear_quant` on or off (on by default; ``PASK_INT8_LINEAR=0``
+    starts with it off; None only reads); returns whether it is on. False on builds without it (AMX:
+    :func:`use_amx`; AVX512-BF16 without AMX-INT8: dequantised rows)."""
+    if not (available() and _LIB is not None):
+        return False
+    return bool(_LIB.pask_q_use_int8(-1 if on is None else int(on)))
+
+
+def linear_quant_f32(
+    x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`linear_quant` before its output's rounding to bf16 (fp32 ``[..., n]``), on builds
+    without :func:`has_bf16_io` (where the kernel's output is fp32): for exactness tests."""
+    if _LIB is None and not available():
+        raise RuntimeError(f"pask native gemv is {status()}")
+    if _LIB.pask_gemv_has_bf16_io():
+        raise RuntimeError("linear_quant_f32: this build's quantised kernels return bf16")
+    k = codes.shape[1] * 32
+    xb = x.reshape(-1, k).float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    y = torch.empty(xb.shape[0], n, dtype=torch.float32)
+    rc = _LIB.pask_linear_q(
+        xb.shape[0], k, n, xb.data_ptr(), codes.data_ptr(), sz.data_ptr(), None if b is None else b.data_ptr(),
+        y.data_ptr(), bits, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native quantised linear rejected the shape ({xb.shape[0]} x {k} x {n}, {bits} bits)")
+    return y.reshape(*x.shape[:-1], n)
+
+
 def linear_quant(
     x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear`` on bf16 ``x [..., K]`` over a tiled INT4 / INT8 weight of ``n`` outputs -> bf16
-    ``[..., n]``: on AMX-INT8 tiles (decode rows: :func:`quant_amx`), else :func:`linear_bf16`'s
-    arithmetic where :func:`has_bf16_io`, else :func:`linear`'s fp32 one rounded to bf16, over
-    :func:`dequant`'s weight."""
+    ``[..., n]``: decode rows with int8 activations on AMX-INT8 tiles or AVX2 (:func:`quant_kernel`),
+    else :func:`linear_bf16`'s arithmetic where :func:`has_bf16_io`, else :func:`linear`'s fp32 one
+    rounded to bf16, over :func:`dequant`'s weight."""
     if _LIB is None and not available():
         raise RuntimeError(f"pask native gemv is {status()}")
     k = codes.shape[1] * 32

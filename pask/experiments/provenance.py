@@ -158,6 +158,7 @@ def machine() -> dict:
         "native_attention_isa": native_attention.isa(),
         "native_gemv": native_gemv.status(),
         "native_gemv_isa": native_gemv.isa(),
+        "quant_kernel": native_gemv.quant_kernel() if native_gemv.status() == "ok" else None,
         "native_norm": native_norm.status() if native_norm.enabled() else f"off ({native_norm.ENV}=0)",
         "prefill_store": bool(os.environ.get(prefill_store.ENV, "").strip()),  # prefills reused across runs
     }
@@ -186,6 +187,8 @@ def machine_line(m: dict | str | None) -> str:
         f"native attention {kernel(m.get('native_attention'), m.get('native_attention_isa'))}",
         f"native GEMV {kernel(m.get('native_gemv'), m.get('native_gemv_isa'))}",
     ]
+    if m.get("quant_kernel"):  # records before the AVX2 int8 kernel have none
+        parts.append(f"quantised-weight decode kernel {m['quant_kernel']}")
     if m.get("native_norm") is not None:  # records before the native RMSNorm have none
         parts.append(f"native RMSNorm {m['native_norm']}")
     return ", ".join(parts)

@@ -101,17 +101,16 @@ class MaskedHead:
         return out
 
     def _rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """The fp32 rows ``idx`` of the head's weight (a quantised head: dequantised to bf16 first, as
-        its prefill path does, block of 16 outputs by block)."""
+        """The fp32 rows ``idx`` of the head's weight (a quantised head: its blocks of 16 outputs that
+        hold them gathered and dequantised to bf16 first, as its prefill path does)."""
         head = self.head
         if isinstance(head, torch.nn.Linear):
             w32 = head._buffers.get("pask_weight_fp32")
             return (w32 if w32 is not None else head.weight)[idx].float()
         from pask.cpu import native_gemv
 
-        blocks = torch.unique(idx // 16)
-        deq = torch.cat(
-            [native_gemv.dequant(head.codes[b : b + 1], head.sz[b : b + 1], 16, head.bits) for b in blocks.tolist()]
-        )
+        blocks = torch.unique(idx // 16)  # the blocks gathered, then dequantised in one call
+        codes, sz = head.codes.index_select(0, blocks), head.sz.index_select(0, blocks)
+        deq = native_gemv.dequant(codes, sz, 16 * blocks.numel(), head.bits)
         pos = torch.searchsorted(blocks, idx // 16) * 16 + idx % 16
         return deq[pos].float()
