@@ -549,16 +549,20 @@ std::atomic<int> int8_linear_wanted{[] {
   return e != nullptr && e[0] == '0' ? 0 : 1;
 }()};
 
-// x [M, K] fp32 -> x8 [M, K] s8, a [M, G], xs [M, G] (quantize_rows's arithmetic).
-void quantize_rows_f32(int64_t M, int64_t K, const float* x, int8_t* x8, float* a, float* xs) {
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return bf16x8(p); }
+
+// x [M, K] fp32 or bf16 -> x8 [M, K] s8, a [M, G], xs [M, G] (quantize_rows's arithmetic).
+template <typename In>
+void quantize_rows_avx2(int64_t M, int64_t K, const In* x, int8_t* x8, float* a, float* xs) {
   const int64_t G = K / 32;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
-      const float* xp = x + m * K + 32 * g;
+      const In* xp = x + m * K + 32 * g;
       __m256 v[4];
-      for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xp + 8 * j);
+      for (int j = 0; j < 4; ++j) v[j] = load8(xp + 8 * j);
       const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
                                       _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
@@ -595,9 +599,19 @@ inline __m256i add16(__m256i s, __m256i p) {
 }
 
 // Outputs 16 b + 8 h .. + 7 (those below N) of MT rows (x8 row stride K; y row stride N), BITS 4 or 8.
-template <int MT, int BITS>
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {  // rounded to bf16 as f2bf does (a NaN stays a quiet NaN)
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i r = _mm256_blendv_epi8(f2bf8(v), q, nan);
+  const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(p16));
+}
+
+template <int MT, int BITS, typename Out>
 void quant_half_avx2(int64_t K, int64_t N, int64_t b, int h, const int8_t* x8, const float* a, const float* xs,
-                     const uint8_t* codes, const uint16_t* sz, const float* bias, float* y) {
+                     const uint8_t* codes, const uint16_t* sz, const float* bias, Out* y) {
   const int64_t G = K / 32;
   const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
@@ -645,23 +659,23 @@ void quant_half_avx2(int64_t K, int64_t N, int64_t b, int h, const int8_t* x8, c
   const int64_t n0 = 16 * b + 8 * h;
   if (n0 + 8 <= N) {
     const __m256 bv = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
-    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(y + m * N + n0, _mm256_add_ps(acc[m], bv));
+    for (int m = 0; m < MT; ++m) store8(y + m * N + n0, _mm256_add_ps(acc[m], bv));
     return;
   }
   const int nn = static_cast<int>(N - n0);  // the last outputs: fewer than 8
-  alignas(32) float out[8];
+  alignas(32) Out out[8];
   alignas(32) float bv[8] = {};
   if (bias)
     for (int i = 0; i < nn; ++i) bv[i] = bias[n0 + i];
   for (int m = 0; m < MT; ++m) {
-    _mm256_store_ps(out, _mm256_add_ps(acc[m], _mm256_load_ps(bv)));
+    store8(out, _mm256_add_ps(acc[m], _mm256_load_ps(bv)));
     for (int i = 0; i < nn; ++i) y[m * N + n0 + i] = out[i];
   }
 }
 
-template <int BITS, int RT>
+template <int BITS, int RT, typename Out>
 void quant_rows_bits(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const int8_t* x8, const float* a,
-                     const float* xs, const uint8_t* codes, const uint16_t* sz, const float* bias, float* y) {
+                     const float* xs, const uint8_t* codes, const uint16_t* sz, const float* bias, Out* y) {
   const int64_t G = K / 32;
   for (int64_t b = b0; b < b1; ++b)
     for (int h = 0; h < 2 && 16 * b + 8 * h < N; ++h)
@@ -669,27 +683,42 @@ void quant_rows_bits(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, co
         const int64_t mt = std::min<int64_t>(RT, M - m0);
         const int8_t* xq = x8 + m0 * K;
         const float *ap = a + m0 * G, *xp = xs + m0 * G;
-        float* yp = y + m0 * N;
+        Out* yp = y + m0 * N;
         switch (mt) {
-          case 1: quant_half_avx2<1, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 2: quant_half_avx2<2, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 3: quant_half_avx2<3, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 4: quant_half_avx2<4, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 5: quant_half_avx2<(RT > 5 ? 5 : RT), BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 6: quant_half_avx2<(RT > 6 ? 6 : RT), BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 7: quant_half_avx2<(RT > 7 ? 7 : RT), BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          default: quant_half_avx2<RT, BITS>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 1: quant_half_avx2<1, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 2: quant_half_avx2<2, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 3: quant_half_avx2<3, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 4: quant_half_avx2<4, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 5: quant_half_avx2<(RT > 5 ? 5 : RT), BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 6: quant_half_avx2<(RT > 6 ? 6 : RT), BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          case 7: quant_half_avx2<(RT > 7 ? 7 : RT), BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          default: quant_half_avx2<RT, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
         }
       }
 }
 
 // Output blocks [b0, b1) of M rows, 4 rows at a time (registers for two int16 sums per row).
-void quant_rows_avx2(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const int8_t* x8, const float* a,
-                     const float* xs, const uint8_t* codes, const uint16_t* sz, const float* bias, float* y, int bits) {
-  if (bits == 4)
-    quant_rows_bits<4, 4>(M, K, N, b0, b1, x8, a, xs, codes, sz, bias, y);
-  else
-    quant_rows_bits<8, 4>(M, K, N, b0, b1, x8, a, xs, codes, sz, bias, y);
+template <typename In, typename Out>
+void quant_linear_avx2(int64_t M, int64_t K, int64_t N, const In* x, const uint8_t* codes, const uint16_t* sz,
+                       const float* bias, Out* y, int bits, int nthreads) {
+  const int64_t G = K / 32;
+  thread_local std::vector<int8_t> x8;
+  thread_local std::vector<float> av, xsv;
+  x8.resize(static_cast<size_t>(M * K));
+  av.resize(static_cast<size_t>(M * G));
+  xsv.resize(static_cast<size_t>(M * G));
+  quantize_rows_avx2(M, K, x, x8.data(), av.data(), xsv.data());
+  const int8_t* xq = x8.data();
+  const float *ap = av.data(), *xp = xsv.data();
+  const int64_t blocks = (N + 15) / 16, chunks = (blocks + 3) / 4;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads > 0 ? nthreads : 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t b0 = 4 * c, b1 = std::min(blocks, 4 * (c + 1));
+    if (bits == 4)
+      quant_rows_bits<4, 4, Out>(M, K, N, b0, b1, xq, ap, xp, codes, sz, bias, y);
+    else
+      quant_rows_bits<8, 4, Out>(M, K, N, b0, b1, xq, ap, xp, codes, sz, bias, y);
+  }
 }
 #endif
 
@@ -837,19 +866,7 @@ int pask_linear_q(int64_t M, int64_t K, int64_t N, const float* x, const uint8_t
   if (M <= 0 || K <= 0 || N <= 0 || K % 32 != 0 || (bits != 4 && bits != 8)) return -1;
 #if defined(PASK_QUANT_AVX2)
   if (M <= 16 && int8_linear_wanted.load(std::memory_order_relaxed) != 0) {
-    const int64_t G = K / 32;
-    thread_local std::vector<int8_t> x8;
-    thread_local std::vector<float> av, xsv;
-    x8.resize(static_cast<size_t>(M * K));
-    av.resize(static_cast<size_t>(M * G));
-    xsv.resize(static_cast<size_t>(M * G));
-    quantize_rows_f32(M, K, x, x8.data(), av.data(), xsv.data());
-    const int8_t* xq = x8.data();
-    const float *ap = av.data(), *xp = xsv.data();
-    const int64_t blocks = (N + 15) / 16, chunks = (blocks + 3) / 4;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads > 0 ? nthreads : 1)
-    for (int64_t c = 0; c < chunks; ++c)
-      quant_rows_avx2(M, K, N, 4 * c, std::min(blocks, 4 * (c + 1)), xq, ap, xp, codes, sz, bias, y, bits);
+    quant_linear_avx2(M, K, N, x, codes, sz, bias, y, bits, nthreads);
     return 0;
   }
 #endif
@@ -866,8 +883,9 @@ int pask_linear_q(int64_t M, int64_t K, int64_t N, const float* x, const uint8_t
 
 // y = x W^T + b, all bf16, over a tiled weight of N outputs; K % 32 == 0. With AMX-INT8 tiles and
 // M <= 16: the tile kernel above (x quantised to int8 per group of 32); otherwise the bf16 kernels
-// over 64 dequantised rows at a time (pask_linear_bf16_io's arithmetic). Returns -1 without an
-// AVX512-BF16 build (nothing written).
+// over 64 dequantised rows at a time (pask_linear_bf16_io's arithmetic). On AVX2 builds: the
+// int8-activation kernel for M <= 16 (when on), else -1 (nothing written: pask_linear_q's turn);
+// -1 on other builds.
 int pask_linear_q_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const uint8_t* codes, const uint16_t* sz,
                      const uint16_t* bias, uint16_t* y, int bits, int nthreads) {
 #if defined(PASK_GEMV_BF16)
@@ -904,6 +922,19 @@ int pask_linear_q_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const u
     dequant_tiled(K, n0, n1, codes, sz, wb, bits);
     pair_rows_range(M, K, N, n0, n1, x, wb, bias, y);
   }
+  return 0;
+#elif defined(PASK_QUANT_AVX2)
+  // AVX2: decode rows on the int8-activation kernel, bf16 in and out (no fp32 copies of x and y);
+  // anything else is left to pask_linear_q (-1, nothing written)
+  if (M <= 0 || M > 16 || K <= 0 || N <= 0 || K % 32 != 0 || (bits != 4 && bits != 8) ||
+      int8_linear_wanted.load(std::memory_order_relaxed) == 0)
+    return -1;
+  thread_local std::vector<float> bf;
+  if (bias) {
+    bf.resize(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) bf[n] = bf2f(bias[n]);
+  }
+  quant_linear_avx2(M, K, N, x, codes, sz, bias ? bf.data() : nullptr, y, bits, nthreads);
   return 0;
 #else
   (void)M, (void)K, (void)N, (void)x, (void)codes, (void)sz, (void)bias, (void)y, (void)bits, (void)nthreads;

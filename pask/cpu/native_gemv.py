@@ -246,7 +246,7 @@ def linear_quant(
         raise RuntimeError(f"pask native gemv is {status()}")
     k = codes.shape[1] * 32
     rows = x.reshape(-1, k)
-    if _LIB.pask_gemv_has_bf16_io():
+    if _LIB.pask_gemv_has_bf16_io() or (rows.shape[0] <= MAX_ROWS and _LIB.pask_q_use_int8(-1)):
         xb = rows.to(torch.bfloat16).contiguous()
         b = None if bias is None else bias.to(torch.bfloat16).contiguous()
         y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
