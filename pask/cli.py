@@ -1410,6 +1410,14 @@ def bench_serve_cmd(
     abort_within: Annotated[
         float, typer.Option(help="cancels and disconnects close their connection within this many seconds")
     ] = 2.0,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="run the policy list this many times in turn (full, others, full, ...); rows give medians, "
+            "speed-ups the medians of per-round ratios against the same round's Full KV (a noisy host)",
+        ),
+    ] = 1,
 ) -> None:
     """Loopback load test: TPOT, throughput, peak KV bytes per policy vs Full KV, with the bandwidth-model limit.
 
@@ -1461,6 +1469,7 @@ def bench_serve_cmd(
         on_request=on_request,
         command=command,
         warm_prefills=prefill_store is not None,
+        rounds=rounds,
     )
     json_path, _ = write(result, out, allow_dirty=allow_dirty)
     print(markdown(result), end="")

@@ -48,6 +48,11 @@ def test_parse_mix_and_seeded_kinds():
     assert first[0] != first[1] and {x for xs in first for x in xs} == set(MIX_KINDS)
 
 
+def test_cli_rejects_zero_rounds():
+    res = CliRunner().invoke(app, ["bench", "serve", "--rounds", "0", "--model", "smollm2-135m"])
+    assert res.exit_code == 2 and "Traceback" not in res.output and "--rounds" in res.output
+
+
 @pytest.mark.parametrize(
     "mix, words",
     [

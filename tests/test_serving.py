@@ -480,6 +480,50 @@ def test_bench_serve_smoke(smol, tmp_path):
         bench_serve(smol, {}, cfg)
 
 
+def test_bench_serve_rounds_alternate_and_pair_the_ratios(smol):
+    """rounds=2 runs full, snapkv, full, snapkv; rows hold medians, speed-ups the per-round ratios' median."""
+    import statistics
+
+    from pask.bench.serving import BenchConfig, bench_serve, markdown
+
+    cfg = BenchConfig(concurrency=2, input_len=200, output_len=3, requests_per_client=1)
+    seen = []
+    result = bench_serve(
+        smol,
+        {"full": FullPolicy, "snapkv": lambda: get_policy("snapkv", budget=0.5)},
+        cfg,
+        progress=seen.append,
+        rounds=2,
+    )
+    assert seen == ["full (round 1 / 2)", "snapkv (round 1 / 2)", "full (round 2 / 2)", "snapkv (round 2 / 2)"]
+    full, snap = result["policies"]
+    assert result["rounds"] == 2 and len(full["rounds"]) == len(snap["rounds"]) == 2
+    assert full["requests"] == snap["requests"] == 4  # summed over the rounds
+    assert full["tpot_ms"] == pytest.approx(statistics.median(x["tpot_ms"] for x in full["rounds"]))
+    ratios = [f["tpot_ms"] / s["tpot_ms"] for f, s in zip(full["rounds"], snap["rounds"], strict=True)]
+    assert snap["tpot_speedup"] == pytest.approx(statistics.median(ratios))
+    assert [x["tpot_speedup"] for x in snap["rounds"]] == pytest.approx(ratios)
+    assert full["tpot_speedup"] == pytest.approx(1.0)
+    md = markdown(result)
+    assert "2 alternating rounds" in md and "Per round" in md and md.count("| snapkv |") == 2
+    with pytest.raises(PaskError, match="rounds must be at least 1"):
+        bench_serve(smol, {"full": FullPolicy}, cfg, rounds=0)
+
+
+def test_merge_rounds_sums_counts_and_takes_medians():
+    from pask.bench.serving import PolicyResult, merge_rounds
+
+    rs = [
+        PolicyResult("p", requests=2, tpot_ms=10.0, step_ms=8.0, peak_kv_bytes=5, b_avg=0.3, wall_s=1.0),
+        PolicyResult("p", requests=2, tpot_ms=30.0, step_ms=9.0, peak_kv_bytes=7, b_avg=0.5, wall_s=2.0),
+        PolicyResult("p", requests=3, tpot_ms=20.0, step_ms=20.0, peak_kv_bytes=6, b_avg=None, wall_s=3.0),
+    ]
+    m = merge_rounds(rs)
+    assert (m.requests, m.wall_s, m.tpot_ms, m.step_ms, m.peak_kv_bytes) == (7, 6.0, 20.0, 9.0, 7)
+    assert m.b_avg == pytest.approx(0.4) and rs[0].tpot_ms == 10.0  # the inputs are left alone
+    assert merge_rounds(rs[:1]) is rs[0]
+
+
 def test_soak_run_without_reference_samples_memory(smol):
     """A soak run (no Full KV reference): requests cycle through the bodies, memory is sampled, ratios stay empty."""
     from pask.bench.serving import BenchConfig, bench_serve, markdown

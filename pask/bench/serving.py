@@ -841,8 +841,14 @@ def bench_serve(
     on_request: Callable[[], None] | None = None,
     command: str | None = None,
     warm_prefills: bool = False,
+    rounds: int = 1,
 ) -> dict:
     """Run every policy (Full KV first, as the reference) and relate each to it; returns a JSON-able dict.
+
+    ``rounds`` > 1 runs the whole list that many times in turn (Full KV, the others, Full KV, ...), so
+    that a host's slow minutes fall on every policy alike: a row's times are the medians over its
+    rounds, its speed-ups and gain shares the medians of the per-round ratios against the same
+    round's Full KV (paired), and ``rounds`` lists each round's figures.
 
     ``progress`` gets each policy's name as it starts, ``on_request`` a call per request sent.
     ``warm_prefills``: first send every input once (``max_tokens`` 1, untimed) under the first
@@ -852,6 +858,8 @@ def bench_serve(
     """
     if not factories:
         raise PaskError("the serving benchmark needs at least one policy")
+    if rounds < 1:
+        raise PaskError(f"rounds must be at least 1, got {rounds}")
     n = min(cfg.concurrency * cfg.requests_per_client, MAX_BODIES)  # a soak test cycles through them
     bodies = build_bodies(lm.tokenizer, lm.name, n, cfg)
     weights = step_weight_bytes(lm.model)
@@ -868,26 +876,51 @@ def bench_serve(
             progress("(prefilling every input into the store)")
         plain = replace(cfg, mix={"valid": 1.0})  # only valid requests fill the store
         run_policy(lm, "warm", factories[names[0]], [{**b, "max_tokens": 1} for b in bodies], plain, on_request)
-    for name in names:
-        if progress:
-            progress(name)
-        results[name] = run_policy(lm, name, factories[name], bodies, cfg, on_request)
+    per: dict[str, list[PolicyResult]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names:
+            if progress:
+                progress(name if rounds == 1 else f"{name} (round {i + 1} / {rounds})")
+            per[name].append(run_policy(lm, name, factories[name], bodies, cfg, on_request))
+    results = {name: merge_rounds(rs) for name, rs in per.items()}
     ref = results.get(REF_POLICY)  # without Full KV in the run (a soak test) the ratios stay empty
+    refs = per.get(REF_POLICY)
     context = cfg.input_len + cfg.output_len / 2
+
+    def paired(name: str, attr: str) -> float | None:
+        """The median over rounds of Full KV's ``attr`` over this policy's, in the same round."""
+        if refs is None:
+            return None
+        vals = [
+            getattr(a, attr) / getattr(b, attr)
+            for a, b in zip(refs, per[name], strict=True)
+            if getattr(a, attr) and getattr(b, attr)
+        ]
+        return statistics.median(vals) if vals else None
 
     def rate(r: PolicyResult) -> float:
         return r.requests / r.wall_s if r.wall_s else 0.0
 
     rows = []
-    for r in results.values():
+    for name, r in results.items():
         b = r.b_avg if r.b_avg is not None else 1.0
         limit = bandwidth_limit(weights, per_token, context, cfg.concurrency, b)
-        speedup = ref.tpot_ms / r.tpot_ms if ref and r.tpot_ms else None
-        step = ref.step_ms / r.step_ms if ref and r.step_ms else None
-        step_c = ref.step_ms_at_c / r.step_ms_at_c if ref and ref.step_ms_at_c and r.step_ms_at_c else None
+        speedup = paired(name, "tpot_ms")
+        step = paired(name, "step_ms")
+        step_c = paired(name, "step_ms_at_c")
         rows.append(
             {
                 **asdict(r),
+                "rounds": [
+                    {
+                        "tpot_ms": x.tpot_ms,
+                        "step_ms": x.step_ms,
+                        "step_ms_at_c": x.step_ms_at_c,
+                        "tpot_speedup": refs[i].tpot_ms / x.tpot_ms if refs and x.tpot_ms else None,
+                        "step_speedup": refs[i].step_ms / x.step_ms if refs and x.step_ms else None,
+                    }
+                    for i, x in enumerate(per[name])
+                ],
                 "tpot_speedup": speedup,
                 "step_speedup": step,
                 "step_at_c_speedup": step_c,
@@ -904,6 +937,7 @@ def bench_serve(
     return {
         "model": lm.name,
         "config": asdict(cfg),
+        "rounds": rounds,
         "weight_bytes": weights,
         "kv_bytes_per_token": per_token,
         "decode_context": context,
@@ -912,6 +946,44 @@ def bench_serve(
         "policies": rows,
         "command": command,
     }
+
+
+_SUMMED = (
+    "requests",
+    "errors_5xx",
+    "errors_other",
+    "malformed",
+    "completion_tokens",
+    "wall_s",
+    "prefill_s",
+    "steps_at_c",
+)
+_MEDIAN = (
+    "prompt_tokens_mean",
+    "tpot_ms",
+    "step_ms",
+    "step_ms_at_c",
+    "throughput_tps",
+    "decode_tps",
+    "b_final",
+    "b_avg",
+)
+
+
+def merge_rounds(rs: list[PolicyResult]) -> PolicyResult:
+    """One policy's rounds as one result: counts and seconds summed, times, rates and B the medians,
+    peaks the largest; memory samples, a mix's report and extras from the first round."""
+    if len(rs) == 1:
+        return rs[0]
+    out = replace(rs[0])
+    for f in _SUMMED:
+        setattr(out, f, sum(getattr(r, f) for r in rs))
+    for f in _MEDIAN:
+        vals = [getattr(r, f) for r in rs if getattr(r, f) is not None]
+        setattr(out, f, statistics.median(vals) if vals else None)
+    out.peak_kv_bytes = max(r.peak_kv_bytes for r in rs)
+    out.peak_running = max(r.peak_running for r in rs)
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -925,6 +997,7 @@ def markdown(result: dict) -> str:
         f"KV capacity {cap} tokens; prefills {result.get('prefills', 'computed')}{linears}{wbytes}"
         "\n\nGain share: (speed-up - 1) / (limit - 1), the part of the bandwidth model's gain above 1x reached "
         "(the limit from the bytes a step reads: weights, KV held).\n\n"
+        f"{rounds_note(result.get('rounds', 1))}"
         "| policy | B (avg) | TPOT ms | TPOT speed-up | step ms | step speed-up | step ms at batch c (steps) "
         "| x Full | bandwidth limit | gain share (TPOT) | gain share (step) | throughput tok/s | x Full | tokens out "
         "| requests/s | x Full | prefill s | decode tok/s | x Full | peak KV MiB | x Full | peak concurrent | 5xx "
@@ -970,6 +1043,12 @@ def markdown(result: dict) -> str:
             str(r["malformed"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if result.get("rounds", 1) > 1:
+        lines += ["", "Per round (ms; x Full KV of the same round):", "", "| policy | TPOT | step |", "|---|---|---|"]
+        for r in result["policies"]:
+            tp = ", ".join(f"{x['tpot_ms']:.1f} ({fx(x['tpot_speedup'])})" for x in r["rounds"])
+            st = ", ".join(f"{x['step_ms']:.1f} ({fx(x['step_speedup'])})" for x in r["rounds"])
+            lines.append(f"| {r['policy']} | {tp} | {st} |")
     mem = [r for r in result["policies"] if r.get("memory") and r["memory"].get("rss_growth") is not None]
     if mem:
         lines += [
@@ -992,6 +1071,17 @@ def markdown(result: dict) -> str:
     if result.get("command"):
         lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def rounds_note(rounds: int) -> str:
+    """The markdown's line on alternating rounds ('' for one)."""
+    if rounds <= 1:
+        return ""
+    return (
+        f"{rounds} alternating rounds (Full KV, then each policy, {rounds} times): times are each policy's "
+        "medians over its rounds, speed-ups and gain shares the medians of the per-round ratios against the "
+        "same round's Full KV (paired; the rounds are listed below).\n\n"
+    )
 
 
 def mix_markdown(policy: str, mix: dict, cfg: dict) -> list[str]:
