@@ -411,6 +411,22 @@ void dequant_tiled(int64_t K, int64_t n0, int64_t n1, const uint8_t* codes, cons
   }
 }
 
+// The int8-activation kernels' per-thread scratch (kept across calls): x8 [M, K] s8, a [M, G] and
+// xs [M, G] fp32 (G = K / 32), filled by quantize_rows / quantize_rows_avx2.
+struct QuantScratch {
+  int8_t* x8;
+  float* a;
+  float* xs;
+};
+inline QuantScratch quant_scratch(int64_t M, int64_t K) {
+  thread_local std::vector<int8_t> x8;
+  thread_local std::vector<float> av, xsv;
+  x8.resize(static_cast<size_t>(M * K));
+  av.resize(static_cast<size_t>(M * (K / 32)));
+  xsv.resize(static_cast<size_t>(M * (K / 32)));
+  return {x8.data(), av.data(), xsv.data()};
+}
+
 #if defined(PASK_GEMV_AMX) && defined(__AMX_INT8__)
 #define PASK_QUANT_AMX 1
 // Decode rows over a tiled INT4 / INT8 weight on AMX-INT8 tiles. x is quantised per row and group of 32
@@ -697,19 +713,15 @@ void quant_rows_bits(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, co
       }
 }
 
-// Output blocks [b0, b1) of M rows, 4 rows at a time (registers for two int16 sums per row).
+// y = x W^T + b for M <= 16 decode rows (fp32 or bf16 in and out): x quantised once, then the
+// 16-output blocks in chunks of 4 over the threads, rows 4 at a time (two int16 sums per row in registers).
 template <typename In, typename Out>
 void quant_linear_avx2(int64_t M, int64_t K, int64_t N, const In* x, const uint8_t* codes, const uint16_t* sz,
                        const float* bias, Out* y, int bits, int nthreads) {
-  const int64_t G = K / 32;
-  thread_local std::vector<int8_t> x8;
-  thread_local std::vector<float> av, xsv;
-  x8.resize(static_cast<size_t>(M * K));
-  av.resize(static_cast<size_t>(M * G));
-  xsv.resize(static_cast<size_t>(M * G));
-  quantize_rows_avx2(M, K, x, x8.data(), av.data(), xsv.data());
-  const int8_t* xq = x8.data();
-  const float *ap = av.data(), *xp = xsv.data();
+  const QuantScratch q = quant_scratch(M, K);
+  quantize_rows_avx2(M, K, x, q.x8, q.a, q.xs);
+  const int8_t* xq = q.x8;
+  const float *ap = q.a, *xp = q.xs;
   const int64_t blocks = (N + 15) / 16, chunks = (blocks + 3) / 4;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads > 0 ? nthreads : 1)
   for (int64_t c = 0; c < chunks; ++c) {
@@ -893,15 +905,10 @@ int pask_linear_q_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const u
   const int nt = nthreads > 0 ? nthreads : 1;
 #if defined(PASK_QUANT_AMX)
   if (M <= 16 && gemv_amx_wanted() && amx_granted()) {
-    const int64_t G = K / 32;
-    thread_local std::vector<int8_t> x8;
-    thread_local std::vector<float> av, xsv;
-    x8.resize(static_cast<size_t>(M * K));
-    av.resize(static_cast<size_t>(M * G));
-    xsv.resize(static_cast<size_t>(M * G));
-    quantize_rows(M, K, x, x8.data(), av.data(), xsv.data());
-    const int8_t* xq = x8.data();
-    const float *ap = av.data(), *xp = xsv.data();
+    const QuantScratch q = quant_scratch(M, K);
+    quantize_rows(M, K, x, q.x8, q.a, q.xs);
+    const int8_t* xq = q.x8;
+    const float *ap = q.a, *xp = q.xs;
     const int64_t blocks = (N + 15) / 16, chunks = (blocks + 3) / 4;
 #pragma omp parallel num_threads(nt)
     {
