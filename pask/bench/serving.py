@@ -887,15 +887,18 @@ def bench_serve(
     refs = per.get(REF_POLICY)
     context = cfg.input_len + cfg.output_len / 2
 
-    def paired(name: str, attr: str) -> float | None:
-        """The median over rounds of Full KV's ``attr`` over this policy's, in the same round."""
+    def ratios(name: str, attr: str) -> list[float | None]:
+        """Per round, Full KV's ``attr`` over this policy's in the same round (None where one is missing)."""
         if refs is None:
-            return None
-        vals = [
-            getattr(a, attr) / getattr(b, attr)
+            return [None] * len(per[name])
+        return [
+            getattr(a, attr) / getattr(b, attr) if getattr(a, attr) and getattr(b, attr) else None
             for a, b in zip(refs, per[name], strict=True)
-            if getattr(a, attr) and getattr(b, attr)
         ]
+
+    def paired(name: str, attr: str) -> float | None:
+        """The median over rounds of :func:`ratios`."""
+        vals = [v for v in ratios(name, attr) if v is not None]
         return statistics.median(vals) if vals else None
 
     def rate(r: PolicyResult) -> float:
@@ -916,10 +919,10 @@ def bench_serve(
                         "tpot_ms": x.tpot_ms,
                         "step_ms": x.step_ms,
                         "step_ms_at_c": x.step_ms_at_c,
-                        "tpot_speedup": refs[i].tpot_ms / x.tpot_ms if refs and x.tpot_ms else None,
-                        "step_speedup": refs[i].step_ms / x.step_ms if refs and x.step_ms else None,
+                        "tpot_speedup": tp,
+                        "step_speedup": st,
                     }
-                    for i, x in enumerate(per[name])
+                    for x, tp, st in zip(per[name], ratios(name, "tpot_ms"), ratios(name, "step_ms"), strict=True)
                 ],
                 "tpot_speedup": speedup,
                 "step_speedup": step,

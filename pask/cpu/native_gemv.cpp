@@ -689,32 +689,28 @@ void quant_half_avx2(int64_t K, int64_t N, int64_t b, int h, const int8_t* x8, c
   }
 }
 
-template <int BITS, int RT, typename Out>
+// Output blocks [b0, b1), both halves, M rows 4 at a time (two int16 sums per row in registers).
+template <int BITS, typename Out>
 void quant_rows_bits(int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1, const int8_t* x8, const float* a,
                      const float* xs, const uint8_t* codes, const uint16_t* sz, const float* bias, Out* y) {
   const int64_t G = K / 32;
   for (int64_t b = b0; b < b1; ++b)
     for (int h = 0; h < 2 && 16 * b + 8 * h < N; ++h)
-      for (int64_t m0 = 0; m0 < M; m0 += RT) {
-        const int64_t mt = std::min<int64_t>(RT, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int8_t* xq = x8 + m0 * K;
         const float *ap = a + m0 * G, *xp = xs + m0 * G;
         Out* yp = y + m0 * N;
-        switch (mt) {
+        switch (std::min<int64_t>(4, M - m0)) {
           case 1: quant_half_avx2<1, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
           case 2: quant_half_avx2<2, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
           case 3: quant_half_avx2<3, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 4: quant_half_avx2<4, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 5: quant_half_avx2<(RT > 5 ? 5 : RT), BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 6: quant_half_avx2<(RT > 6 ? 6 : RT), BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          case 7: quant_half_avx2<(RT > 7 ? 7 : RT), BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
-          default: quant_half_avx2<RT, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
+          default: quant_half_avx2<4, BITS, Out>(K, N, b, h, xq, ap, xp, codes, sz, bias, yp); break;
         }
       }
 }
 
 // y = x W^T + b for M <= 16 decode rows (fp32 or bf16 in and out): x quantised once, then the
-// 16-output blocks in chunks of 4 over the threads, rows 4 at a time (two int16 sums per row in registers).
+// 16-output blocks in chunks of 4 over the threads.
 template <typename In, typename Out>
 void quant_linear_avx2(int64_t M, int64_t K, int64_t N, const In* x, const uint8_t* codes, const uint16_t* sz,
                        const float* bias, Out* y, int bits, int nthreads) {
@@ -727,9 +723,9 @@ void quant_linear_avx2(int64_t M, int64_t K, int64_t N, const In* x, const uint8
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t b0 = 4 * c, b1 = std::min(blocks, 4 * (c + 1));
     if (bits == 4)
-      quant_rows_bits<4, 4, Out>(M, K, N, b0, b1, xq, ap, xp, codes, sz, bias, y);
+      quant_rows_bits<4, Out>(M, K, N, b0, b1, xq, ap, xp, codes, sz, bias, y);
     else
-      quant_rows_bits<8, 4, Out>(M, K, N, b0, b1, xq, ap, xp, codes, sz, bias, y);
+      quant_rows_bits<8, Out>(M, K, N, b0, b1, xq, ap, xp, codes, sz, bias, y);
   }
 }
 #endif
@@ -946,16 +942,6 @@ int pask_linear_q_io(int64_t M, int64_t K, int64_t N, const uint16_t* x, const u
 #else
   (void)M, (void)K, (void)N, (void)x, (void)codes, (void)sz, (void)bias, (void)y, (void)bits, (void)nthreads;
   return -1;
-#endif
-}
-
-// Whether pask_linear_q_io runs the AMX-INT8 kernel for decode rows here (1) or the bf16 kernels
-// over dequantised rows (0).
-int pask_q_amx() {
-#if defined(PASK_QUANT_AMX)
-  return gemv_amx_wanted() && amx_granted() ? 1 : 0;
-#else
-  return 0;
 #endif
 }
 

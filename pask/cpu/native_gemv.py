@@ -55,7 +55,6 @@ def _probe() -> str:
         h.restype = ctypes.c_int
     lib.pask_dequant_q.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
     lib.pask_dequant_q.restype = ctypes.c_int
-    lib.pask_q_amx.restype = ctypes.c_int
     lib.pask_q_kernel.restype = ctypes.c_char_p
     lib.pask_q_use_int8.argtypes = [ctypes.c_int]
     lib.pask_q_use_int8.restype = ctypes.c_int
@@ -194,7 +193,7 @@ def dequant(codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int, out: torch
 def quant_amx() -> bool:
     """Whether :func:`linear_quant` runs decode rows on AMX-INT8 tiles here (int8 activations per
     group of 32) rather than the bf16 kernels over dequantised rows."""
-    return available() and _LIB is not None and bool(_LIB.pask_q_amx())
+    return quant_kernel() == "amx-int8"
 
 
 def quant_kernel() -> str:
@@ -213,6 +212,23 @@ def use_int8_linears(on: bool | None) -> bool:
     return bool(_LIB.pask_q_use_int8(-1 if on is None else int(on)))
 
 
+def _quant_call(x: torch.Tensor, codes, sz, n: int, bits: int, bias, dtype: torch.dtype) -> torch.Tensor:
+    """The native quantised linear with ``dtype`` in and out: bf16 through ``pask_linear_q_io``, fp32
+    through ``pask_linear_q``; ``[..., n]``."""
+    k = codes.shape[1] * 32
+    xb = x.reshape(-1, k).to(dtype).contiguous()
+    b = None if bias is None else bias.to(dtype).contiguous()
+    y = torch.empty(xb.shape[0], n, dtype=dtype)
+    fn = _LIB.pask_linear_q_io if dtype == torch.bfloat16 else _LIB.pask_linear_q
+    rc = fn(
+        xb.shape[0], k, n, xb.data_ptr(), codes.data_ptr(), sz.data_ptr(), None if b is None else b.data_ptr(),
+        y.data_ptr(), bits, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native quantised linear rejected the shape ({xb.shape[0]} x {k} x {n}, {bits} bits)")
+    return y.reshape(*x.shape[:-1], n)
+
+
 def linear_quant_f32(
     x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, n: int, bits: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -222,17 +238,7 @@ def linear_quant_f32(
         raise RuntimeError(f"pask native gemv is {status()}")
     if _LIB.pask_gemv_has_bf16_io():
         raise RuntimeError("linear_quant_f32: this build's quantised kernels return bf16")
-    k = codes.shape[1] * 32
-    xb = x.reshape(-1, k).float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    y = torch.empty(xb.shape[0], n, dtype=torch.float32)
-    rc = _LIB.pask_linear_q(
-        xb.shape[0], k, n, xb.data_ptr(), codes.data_ptr(), sz.data_ptr(), None if b is None else b.data_ptr(),
-        y.data_ptr(), bits, torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"native quantised linear rejected the shape ({xb.shape[0]} x {k} x {n}, {bits} bits)")
-    return y.reshape(*x.shape[:-1], n)
+    return _quant_call(x, codes, sz, n, bits, bias, torch.float32)
 
 
 def linear_quant(
@@ -244,22 +250,7 @@ def linear_quant(
     rounded to bf16, over :func:`dequant`'s weight."""
     if _LIB is None and not available():
         raise RuntimeError(f"pask native gemv is {status()}")
-    k = codes.shape[1] * 32
-    rows = x.reshape(-1, k)
-    if _LIB.pask_gemv_has_bf16_io() or (rows.shape[0] <= MAX_ROWS and _LIB.pask_q_use_int8(-1)):
-        xb = rows.to(torch.bfloat16).contiguous()
-        b = None if bias is None else bias.to(torch.bfloat16).contiguous()
-        y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
-        fn = _LIB.pask_linear_q_io
-    else:
-        xb = rows.float().contiguous()
-        b = None if bias is None else bias.float().contiguous()
-        y = torch.empty(xb.shape[0], n, dtype=torch.float32)
-        fn = _LIB.pask_linear_q
-    rc = fn(
-        xb.shape[0], k, n, xb.data_ptr(), codes.data_ptr(), sz.data_ptr(), None if b is None else b.data_ptr(),
-        y.data_ptr(), bits, torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"native quantised linear rejected the shape ({xb.shape[0]} x {k} x {n}, {bits} bits)")
-    return y.to(torch.bfloat16).reshape(*x.shape[:-1], n)
+    rows = x.numel() // codes.shape[1] // 32
+    bf16_io = _LIB.pask_gemv_has_bf16_io() or (rows <= MAX_ROWS and _LIB.pask_q_use_int8(-1))
+    y = _quant_call(x, codes, sz, n, bits, bias, torch.bfloat16 if bf16_io else torch.float32)
+    return y.to(torch.bfloat16)
