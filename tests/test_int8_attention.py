@@ -5,6 +5,10 @@ share of the error the INT4 tier itself makes against unquantised attention."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -40,7 +44,7 @@ def _both(layer, q, d):
 
 
 def test_switch_reports_what_runs():
-    """Off by default (PASK_INT8_ATTENTION unset); only the AVX2 build can turn it on; off always works."""
+    """Only the AVX2 build can turn it on; off always works; isa() says which runs."""
     if na.status() != "ok":
         pytest.skip(f"native attention kernel: {na.status()}")
     before = na.use_int8()
@@ -52,6 +56,21 @@ def test_switch_reports_what_runs():
         assert na.use_int8(False) is False and na.isa() == base
     finally:
         na.use_int8(before)
+
+
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_default_is_the_integer_path_on_the_avx2_build(env):
+    """A fresh process: on unless PASK_INT8_ATTENTION=0 on the AVX2 build; off on every other build."""
+    if na.status() != "ok":
+        pytest.skip(f"native attention kernel: {na.status()}")
+    base = na.isa().removesuffix("+int8")
+    environ = {k: v for k, v in os.environ.items() if k != "PASK_INT8_ATTENTION"}
+    if env is not None:
+        environ["PASK_INT8_ATTENTION"] = env
+    code = "from pask.kv import native_attention as na; print(na.use_int8(), na.isa())"
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
+    on = base == "avx2" and env != "0"
+    assert out.stdout.split() == [str(on), base + "+int8" if on else base]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -52,9 +52,14 @@ def _reference(layer, q, scaling):
 
 @pytest.fixture(scope="module")
 def native():
+    """The kernel on its exact path: the AVX2 build's integer INT4 path (its default) is not
+    FP32-level, so it is bounded apart (tests/test_int8_attention.py)."""
     if na.status() != "ok":
         pytest.skip(f"native attention kernel: {na.status()}")
-    return na
+    before = na.use_int8()
+    na.use_int8(False)
+    yield na
+    na.use_int8(before)
 
 
 def test_kernel_builds_where_a_compiler_exists():

@@ -128,8 +128,9 @@ def use_int8(on: bool | None = None) -> bool:
 
     Scores take the balanced query rows in int8 per (row, 32-channel group) and values the softmax
     weights in u8 per (row, 64-slot block), both against their largest magnitude, through
-    ``pmaddubsw``: an error bounded in ``tests/test_int8_attention.py``, not FP32-level, so it is
-    off by default (``PASK_INT8_ATTENTION=1`` starts with it on; docs/kernels.md#avx2-paths)."""
+    ``pmaddubsw``: an error bounded in ``tests/test_int8_attention.py``, not FP32-level. On by
+    default on the AVX2 build (``PASK_INT8_ATTENTION=0`` starts with it off, the exact path that the
+    FP32-exactness tests hold; docs/kernels.md#avx2-paths)."""
     if _LIB is None and not available():
         return False
     return bool(_LIB.pask_attention_use_int8(-1 if on is None else int(on)))
