@@ -109,17 +109,15 @@ def step_case(batch: int, n: int, layers: int, repeats: int) -> dict:
         for name, c in caches.items()
     }
     before = na.use_int8()
-    if na.use_int8(not before) != before:  # the AVX2 build: time the INT4 tier both ways, interleaved
+    with na.int8_path(not before) as now:
+        switchable = now != before  # the AVX2 build: time the INT4 tier both ways, interleaved
+    if switchable:
 
         def other(c=caches["mostly INT4"], flag=not before):
-            na.use_int8(flag)
-            try:
+            with na.int8_path(flag):
                 return [na.decode_layer(c.layers[i], q, D**-0.5) for i in range(layers)]
-            finally:
-                na.use_int8(before)
 
         fns[INT8_NAME if not before else EXACT_NAME] = other
-    na.use_int8(before)
     ms = median_ms(fns, repeats)
     out = {"batch": batch, "context": n, "layers": layers, "per_layer_ms": {}, "held_mb": {}, "gb_s": {}}
     out["int8_default"] = before

@@ -22,24 +22,19 @@ from tests.test_native_attention import _layer, _reference
 def int8():
     if na.status() != "ok":
         pytest.skip(f"native attention kernel: {na.status()}")
-    before = na.use_int8()
-    if not na.use_int8(True):
-        na.use_int8(before)
-        pytest.skip(f"no integer INT4 path in the {na.isa()} build")
-    na.use_int8(before)
+    with na.int8_path(True) as on:
+        if not on:
+            pytest.skip(f"no integer INT4 path in the {na.isa()} build")
     return na
 
 
 def _both(layer, q, d):
     """fp32 outputs of the exact kernel and of the integer path, with the switch restored."""
-    before = na.use_int8()
-    try:
-        na.use_int8(False)
+    with na.int8_path(False):
         exact = na.decode_layer(layer, q, d**-0.5, fp32=True)
-        assert na.use_int8(True)
+    with na.int8_path(True) as on:
+        assert on
         fast = na.decode_layer(layer, q, d**-0.5, fp32=True)
-    finally:
-        na.use_int8(before)
     return exact[:, 0], fast[:, 0]
 
 
@@ -48,14 +43,25 @@ def test_switch_reports_what_runs():
     if na.status() != "ok":
         pytest.skip(f"native attention kernel: {na.status()}")
     before = na.use_int8()
-    try:
+    with na.int8_path(before):  # the switch turned below, restored after
         assert na.use_int8(False) is False and na.use_int8() is False
         base = na.isa()
         assert na.use_int8(True) is (base == "avx2")
         assert na.isa() == (base + "+int8" if base == "avx2" else base)  # what provenance records
         assert na.use_int8(False) is False and na.isa() == base
-    finally:
-        na.use_int8(before)
+    assert na.use_int8() is before
+
+
+def test_int8_path_restores_the_switch_even_after_an_error():
+    if na.status() != "ok":
+        pytest.skip(f"native attention kernel: {na.status()}")
+    before = na.use_int8()
+    with pytest.raises(RuntimeError, match="inside"), na.int8_path(not before) as on:
+        assert on is na.use_int8()
+        raise RuntimeError("inside")
+    assert na.use_int8() is before
+    with na.int8_path(False) as on:
+        assert on is False and not na.isa().endswith("+int8")
 
 
 @pytest.mark.parametrize("env", [None, "0", "1"])
@@ -159,15 +165,11 @@ def test_step_weights_on_the_integer_path(int8):
     plain call's."""
     _, layer = _layer(2, 7, 64, [300, 90], [(0.2, 0.7, 0.1)] * 2, seed=11)
     q = torch.randn(2, 14, 1, 64, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
-    before = na.use_int8()
-    try:
-        na.use_int8(False)
+    with na.int8_path(False):
         _, exact = na.decode_layer(layer, q, 64**-0.5, weights=True)
-        na.use_int8(True)
+    with na.int8_path(True):
         out, probs = na.decode_layer(layer, q, 64**-0.5, weights=True)
         assert torch.equal(out, na.decode_layer(layer, q, 64**-0.5))
-    finally:
-        na.use_int8(before)
     for p, e in zip(probs, exact, strict=True):
         assert p.shape == e.shape
         torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[0]), atol=1e-3, rtol=0)

@@ -56,10 +56,8 @@ def native():
     FP32-level, so it is bounded apart (tests/test_int8_attention.py)."""
     if na.status() != "ok":
         pytest.skip(f"native attention kernel: {na.status()}")
-    before = na.use_int8()
-    na.use_int8(False)
-    yield na
-    na.use_int8(before)
+    with na.int8_path(False):
+        yield na
 
 
 def test_kernel_builds_where_a_compiler_exists():

@@ -24,9 +24,10 @@ and return False instead (the previous paths run; :func:`pask.cpu.native.unavail
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -134,6 +135,17 @@ def use_int8(on: bool | None = None) -> bool:
     if _LIB is None and not available():
         return False
     return bool(_LIB.pask_attention_use_int8(-1 if on is None else int(on)))
+
+
+@contextlib.contextmanager
+def int8_path(on: bool) -> Iterator[bool]:
+    """The AVX2 build's integer INT4 path turned on or off (:func:`use_int8`) for a ``with`` block,
+    the previous setting restored after it; yields whether the path is on inside the block."""
+    before = use_int8()
+    try:
+        yield use_int8(on)
+    finally:
+        use_int8(before)
 
 
 def isa() -> str | None:
