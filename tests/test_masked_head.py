@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pask.policies import get_policy
 from pask.runtime.engine import generate
-from pask.runtime.masked_head import ENV, MaskedHead, allowed_tokens
+from pask.runtime.masked_head import ENV, MaskedHead, allowed_tokens, head_bytes
 from pask.structure.constraint import allocate_mask
 
 
@@ -79,6 +79,56 @@ def test_head_rejects_a_model_without_a_linear_head():
 
     with pytest.raises(TypeError, match=r"nn\.Linear"):
         MaskedHead(M())
+
+
+class _HeadOnly(torch.nn.Module):
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_head_counts_the_bytes_its_steps_read(quant):
+    """What the serving benchmark's bandwidth limit counts for the head: per planned forward, the
+    whole weight once if any row is wide, plus each narrow row's gathered rows (a quantised head:
+    the blocks of 16 outputs that hold them, codes and scales), plus their biases."""
+    from pask.cpu import native_gemv
+    from pask.cpu.weights import QuantLinear
+
+    if quant and not native_gemv.available():
+        pytest.skip(f"native gemv: {native_gemv.status()}")
+    lin = torch.nn.Linear(64, 100, bias=True)
+    head = QuantLinear.from_linear(lin.bfloat16(), 8) if quant else lin
+    dtype = torch.bfloat16 if quant else torch.float32
+    # by hand: fp32 rows of 64 and fp32 biases; or int8 blocks of 16 x 64 codes + 2 x 2 x 16 bf16 scales, bf16 biases
+    full = 100 * 64 * 4 + 100 * 4 if not quant else 7 * (16 * 64 + 2 * 2 * 16 * 2) + 100 * 2
+    row = 64 * 4 + 4 if not quant else None
+    block = 16 * 64 + 2 * 2 * 16 * 2
+    mh = MaskedHead(_HeadOnly(head))
+    try:
+        assert head_bytes(head) == mh.full_bytes == full and mh.bytes_per_step() is None
+        x = torch.randn(2, 1, 64).to(dtype)
+        head(x)  # no plan (a prefill's forward): not a step
+        assert mh.planned == 0 and mh.bytes_read == 0
+        mh.plan = [torch.tensor([3, 4, 40]), torch.tensor([7])]  # narrow rows only
+        head(x)
+        narrow = 4 * row if not quant else 3 * block + 4 * 2  # blocks {0, 2} and {0}; four biases
+        assert mh.bytes_read == narrow and mh.planned == 1
+        mh.plan = [None, torch.tensor([99])]  # a wide row: the whole weight once, and the narrow row's
+        head(x)
+        one = row if not quant else block + 2
+        assert mh.bytes_read == narrow + full + one
+        mh.plan = [None, None]
+        head(x)
+        assert mh.bytes_read == narrow + 2 * full + one and mh.planned == 3
+        assert mh.bytes_per_step() == pytest.approx((narrow + 2 * full + one) / 3)
+        mh.reset_counts()
+        assert mh.bytes_per_step() is None and mh.narrow_rows == mh.full_rows == mh.bytes_read == 0
+    finally:
+        mh.close()
 
 
 @pytest.mark.parametrize("policy", [None, "kivi-4"])

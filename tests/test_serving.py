@@ -451,11 +451,24 @@ def test_bandwidth_limit_matches_the_issue_numbers():
     assert bandwidth_limit(weights, per_token, 8192, 8, 0.33) == pytest.approx(1.43, abs=0.02)
     assert bandwidth_limit(weights, per_token, 32768, 8, 0.33) == pytest.approx(2.05, abs=0.02)
     assert bandwidth_limit(weights, per_token, 8192, 8, 1.0) == 1.0
+    # each side's own weight bytes (the masked head reads what its grammar allows): Full KV's over the policy's
+    kv = 8 * 8192 * per_token
+    assert bandwidth_limit(weights - 10**8, per_token, 8192, 8, 0.33, weights) == pytest.approx(
+        (weights + kv) / (weights - 10**8 + 0.33 * kv)
+    )
+
+
+def test_step_weights_count_the_head_as_read():
+    from pask.bench.serving import step_weights
+
+    assert step_weights(1000, 300, None) == 1000  # no masked head: the whole head
+    assert step_weights(1000, 300, 120.5) == 820.5
+    assert step_weights(1000, 300, 0.0) == 700
 
 
 def test_bench_serve_smoke(smol, tmp_path):
     """Tiny loopback run: BFCL inputs near the asked length, every request answered, rows relative to Full KV."""
-    from pask.bench.serving import BenchConfig, bench_serve, write
+    from pask.bench.serving import BenchConfig, bandwidth_limit, bench_serve, write
 
     cfg = BenchConfig(concurrency=2, input_len=300, output_len=4, requests_per_client=1)
     result = bench_serve(smol, {"full": FullPolicy, "snapkv": lambda: get_policy("snapkv", budget=0.4)}, cfg)
@@ -473,6 +486,15 @@ def test_bench_serve_smoke(smol, tmp_path):
     assert snap["request_gain"] == pytest.approx(snap["request_rate"] / full["request_rate"])
     assert snap["b_avg"] == pytest.approx(0.4, abs=0.05) and snap["peak_kv_ratio"] < 0.6
     assert 1.0 < snap["bandwidth_limit"] < 1.2
+    # the limit counts the LM head as the masked head measured it read, each policy its own steps
+    assert 0 < result["lm_head_bytes"] < result["weight_bytes"]
+    for r in (full, snap):
+        assert 0 < r["head_bytes"] <= result["lm_head_bytes"] * 1.1
+        assert r["step_weight_bytes"] == result["weight_bytes"] - result["lm_head_bytes"] + r["head_bytes"]
+    ctx, per_token = result["decode_context"], result["kv_bytes_per_token"]
+    assert snap["bandwidth_limit"] == pytest.approx(
+        bandwidth_limit(snap["step_weight_bytes"], per_token, ctx, 2, snap["b_avg"], full["step_weight_bytes"])
+    )
     js, md = write(result, tmp_path / "serving")
     assert json.loads(js.read_text())["model"] == "smollm2-135m" and "| snapkv |" in md.read_text()
     assert "gain share (TPOT)" in md.read_text() and "weights a step reads" in md.read_text()

@@ -15,7 +15,11 @@ part in: what the bandwidth model describes; and its median over the steps at th
 requests arrived or left), throughput (generated tokens per second of wall
 time), peak KV bytes held, each relative to Full KV in the same run, and the bandwidth-model limit
 of the speed-up: the bytes one decode step reads, ``weights + c x context x KV bytes per token x
-B``, Full over the policy, at the mean decode context ``input_len + output_len / 2``. With a fixed
+B``, Full over the policy, at the mean decode context ``input_len + output_len / 2``. ``weights``
+counts every linear layer and norm once, the embedding table not at all (a step reads a few of its
+rows) and the LM head as the masked head measured it in the run (:mod:`pask.runtime.masked_head`:
+under the grammar most steps' rows allow a few tokens, whose rows it gathers; the whole weight is
+read only in a step with a wide row), each policy's own; without a masked head, the whole head. With a fixed
 ``capacity_tokens`` (Table 3 setting) the peak number of concurrent requests shows the admission
 effect. Prefills run one at a time in the scheduler's thread, so the wall time splits into summed
 prefill time and the rest; the decode throughput (generated tokens per second outside prefills) is
@@ -48,6 +52,7 @@ import jsonschema
 from pask.cpu.weights import step_weight_bytes
 from pask.errors import PaskError
 from pask.runtime.capacity import kv_bytes_per_token
+from pask.runtime.masked_head import head_bytes
 from pask.runtime.models import LoadedModel
 from pask.tasks.function_calling import NON_LIVE, FunctionCase, build_prompt, load_cases
 
@@ -166,6 +171,7 @@ class PolicyResult:
     peak_running: int = 0
     b_final: float | None = None  # held / full bytes of the finished requests at their end
     b_avg: float | None = None  # mean per-request time-averaged B
+    head_bytes: float | None = None  # mean LM-head bytes a decode step read (masked head; None without it)
     memory: dict | None = None  # soak samples and the flatness summary (see :func:`memory_summary`)
     mix: dict | None = None  # a hostile mix's counts, KV-release checks and criteria (:meth:`HostileMix.report`)
     extra: dict = field(default_factory=dict)
@@ -738,6 +744,8 @@ def _drive(service, url: str, name: str, cfg: BenchConfig, bodies: list[dict], p
         c.post(url, json={**bodies[0], "max_tokens": 2, "messages": bodies[0]["messages"][-1:]})
     service.scheduler.peak_held_bytes = service.scheduler.peak_running = 0
     service.scheduler.step_log.clear()
+    if service.scheduler.head is not None:
+        service.scheduler.head.reset_counts()
     mix = HostileMix(service, cfg, url, bodies, httpx) if cfg.hostile else None
     stop_at = time.time() + cfg.max_seconds
 
@@ -792,6 +800,7 @@ def _drive(service, url: str, name: str, cfg: BenchConfig, bodies: list[dict], p
         res.memory = memory_summary(sampler.samples)
     sch = service.scheduler
     res.peak_kv_bytes, res.peak_running = sch.peak_held_bytes, sch.peak_running
+    res.head_bytes = sch.head.bytes_per_step() if sch.head is not None else None
     res.b_final = sch.snapshot()["b_finished"]
     at_c = list(sch.step_log.get(cfg.concurrency, ()))
     res.steps_at_c = len(at_c)
@@ -813,10 +822,27 @@ def _drive(service, url: str, name: str, cfg: BenchConfig, bodies: list[dict], p
 
 
 # -- the run -----------------------------------------------------------------------------------
-def bandwidth_limit(weight_bytes: int, kv_per_token: int, context: float, concurrency: int, b: float) -> float:
-    """Decode-step bytes of Full KV over those at budget ``b`` (weights read once per step, KV per request)."""
+def bandwidth_limit(
+    weight_bytes: float,
+    kv_per_token: int,
+    context: float,
+    concurrency: int,
+    b: float,
+    ref_weight_bytes: float | None = None,
+) -> float:
+    """Decode-step bytes of Full KV over those at budget ``b`` (weights read once per step, KV per
+    request); ``ref_weight_bytes``: Full KV's step weight bytes where they differ from this policy's
+    (the masked LM head reads what each run's grammar allows)."""
     kv = concurrency * context * kv_per_token
-    return (weight_bytes + kv) / (weight_bytes + kv * b)
+    ref = weight_bytes if ref_weight_bytes is None else ref_weight_bytes
+    return (ref + kv) / (weight_bytes + kv * b)
+
+
+def step_weights(static_bytes: int, head_full: int, head_read: float | None) -> float:
+    """Weight bytes a decode step reads: :func:`~pask.cpu.weights.step_weight_bytes` (which counts the
+    whole LM head) with the head's full ``head_full`` replaced by what the masked head measured it
+    read per step (``head_read``; None: the whole head)."""
+    return static_bytes - head_full + (head_full if head_read is None else head_read)
 
 
 def decode_linears(model) -> str:
@@ -863,6 +889,8 @@ def bench_serve(
     n = min(cfg.concurrency * cfg.requests_per_client, MAX_BODIES)  # a soak test cycles through them
     bodies = build_bodies(lm.tokenizer, lm.name, n, cfg)
     weights = step_weight_bytes(lm.model)
+    out_emb = lm.model.get_output_embeddings()
+    head_full = head_bytes(out_emb) if out_emb is not None else 0
     per_token = kv_bytes_per_token(lm.model.config, next(lm.model.parameters()).dtype)
     results = {}
     order = [REF_POLICY] if REF_POLICY in factories else []
@@ -905,9 +933,11 @@ def bench_serve(
         return r.requests / r.wall_s if r.wall_s else 0.0
 
     rows = []
+    ref_weights = step_weights(weights, head_full, ref.head_bytes) if ref else None
     for name, r in results.items():
         b = r.b_avg if r.b_avg is not None else 1.0
-        limit = bandwidth_limit(weights, per_token, context, cfg.concurrency, b)
+        w = step_weights(weights, head_full, r.head_bytes)
+        limit = bandwidth_limit(w, per_token, context, cfg.concurrency, b, ref_weights)
         speedup = paired(name, "tpot_ms")
         step = paired(name, "step_ms")
         step_c = paired(name, "step_ms_at_c")
@@ -927,6 +957,7 @@ def bench_serve(
                 "tpot_speedup": speedup,
                 "step_speedup": step,
                 "step_at_c_speedup": step_c,
+                "step_weight_bytes": w,
                 "bandwidth_limit": limit,
                 "share_of_limit": (speedup - 1) / (limit - 1) if speedup and limit > 1 + 1e-9 else None,
                 "step_share_of_limit": (step - 1) / (limit - 1) if step and limit > 1 + 1e-9 else None,
@@ -942,6 +973,7 @@ def bench_serve(
         "config": asdict(cfg),
         "rounds": rounds,
         "weight_bytes": weights,
+        "lm_head_bytes": head_full,
         "kv_bytes_per_token": per_token,
         "decode_context": context,
         "prefills": "loaded from a prefill store filled before the timed runs" if warm_prefills else "computed",
@@ -970,6 +1002,7 @@ _MEDIAN = (
     "decode_tps",
     "b_final",
     "b_avg",
+    "head_bytes",
 )
 
 
@@ -995,6 +1028,15 @@ def markdown(result: dict) -> str:
     cap = cfg["capacity_tokens"] or "unlimited"
     linears = f"; decode linears: {result['decode_linears']}" if result.get("decode_linears") else ""
     wbytes = f"; weights a step reads: {result['weight_bytes'] / 1e6:.0f} MB" if result.get("weight_bytes") else ""
+    full = next((r for r in result["policies"] if r["policy"] == REF_POLICY), None)
+    if wbytes and result.get("lm_head_bytes") and full and full.get("head_bytes") is not None:
+        wbytes = (
+            f"; weights a step reads: {full['step_weight_bytes'] / 1e6:.0f} MB under Full KV "
+            f"({result['weight_bytes'] / 1e6:.0f} MB "
+            f"with the whole LM head of {result['lm_head_bytes'] / 1e6:.0f} MB; the masked head read "
+            f"{full['head_bytes'] / 1e6:.0f} MB of it per step: the whole weight in a step with a wide row, the "
+            "gathered rows of narrow ones; each policy's limit counts what its own steps read)"
+        )
     head = (
         f"Serving, {result['model']}, c = {cfg['concurrency']}, input {cfg['input_len']}, output {cfg['output_len']}, "
         f"KV capacity {cap} tokens; prefills {result.get('prefills', 'computed')}{linears}{wbytes}"

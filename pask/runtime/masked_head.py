@@ -45,6 +45,14 @@ def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int, limit: int = NARR
     return idx if idx.numel() <= limit else None
 
 
+def head_bytes(head: torch.nn.Module) -> int:
+    """Bytes of an output embedding's full product: an ``nn.Linear``'s weight (a tied one is the
+    embedding table) and bias, or a :class:`~pask.cpu.weights.QuantLinear`'s codes, scales and bias
+    (as :func:`pask.cpu.weights.step_weight_bytes` counts them)."""
+    parts = [getattr(head, n, None) for n in ("weight", "codes", "sz", "bias")]
+    return sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
+
+
 class MaskedHead:
     """The output embedding of ``model`` computing only planned logits (see the module docstring)."""
 
@@ -59,6 +67,9 @@ class MaskedHead:
         self._orig = head.forward
         self.plan: list[torch.Tensor | None] | None = None
         self.narrow_rows = self.full_rows = 0  # counts of rows served each way
+        self.full_bytes = head_bytes(head)  # what a full product reads
+        self.planned = 0  # forwards served with a plan (decode steps)
+        self.bytes_read = 0  # head bytes those forwards read: the full weight once if a row is wide, gathered rows
         head.forward = self._forward
         model._pask_masked_head = self
 
@@ -71,6 +82,16 @@ class MaskedHead:
         if getattr(self.model, "_pask_masked_head", None) is self:
             del self.model._pask_masked_head
 
+    def reset_counts(self) -> None:
+        """Zero the counters (rows served each way, planned forwards, bytes read)."""
+        self.narrow_rows = self.full_rows = self.planned = self.bytes_read = 0
+
+    def bytes_per_step(self) -> float | None:
+        """Mean head bytes a planned forward (a decode step) read since the last :meth:`reset_counts`:
+        the whole weight in a step with a wide row, the gathered rows (and their blocks' scales) of
+        narrow rows; None before any planned forward."""
+        return self.bytes_read / self.planned if self.planned else None
+
     def select(self, rows: list[int]) -> None:
         """Keep the plan of these batch rows only (a session that left finished rows out of its forward)."""
         if self.plan is not None:
@@ -81,6 +102,9 @@ class MaskedHead:
         if plan is None or x.dim() != 3 or x.shape[1] != 1 or len(plan) != x.shape[0]:
             return self._orig(x)
         wide = [i for i, a in enumerate(plan) if a is None]
+        self.planned += 1
+        if wide:
+            self.bytes_read += self.full_bytes
         if len(wide) == len(plan):
             self.full_rows += len(wide)
             return self._orig(x)
@@ -92,6 +116,7 @@ class MaskedHead:
             if idx is None or idx.numel() == 0:
                 continue
             rows = self._rows(idx)
+            self.bytes_read += self._gathered_bytes(idx)
             logits = rows @ x[i, 0].float()
             if bias is not None:
                 logits = logits + bias[idx].float()
@@ -99,6 +124,19 @@ class MaskedHead:
         self.narrow_rows += len(plan) - len(wide)
         self.full_rows += len(wide)
         return out
+
+    def _gathered_bytes(self, idx: torch.Tensor) -> int:
+        """Bytes :meth:`_rows` reads for ``idx``: the rows (of the fp32 copy where there is one), or
+        a quantised head's blocks of 16 outputs that hold them, codes and scales; and their biases."""
+        head = self.head
+        bias = 0 if head.bias is None else idx.numel() * head.bias.element_size()
+        if isinstance(head, torch.nn.Linear):
+            w = head._buffers.get("pask_weight_fp32")
+            w = head.weight if w is None else w
+            return idx.numel() * w.shape[1] * w.element_size() + bias
+        blocks = torch.unique(idx // 16).numel()
+        per_block = (head.codes[0].numel() * head.codes.element_size()) + head.sz[0].numel() * head.sz.element_size()
+        return blocks * per_block + bias
 
     def _rows(self, idx: torch.Tensor) -> torch.Tensor:
         """The fp32 rows ``idx`` of the head's weight (a quantised head: its blocks of 16 outputs that
