@@ -71,7 +71,7 @@ def install(timers: Timers, concurrency: int) -> None:
     import torch
     from transformers.models.qwen2 import modeling_qwen2 as mq
 
-    from pask.cpu import bf16_matmul, native_norm, weights
+    from pask.cpu import bf16_matmul, native_norm, native_rotary, weights
     from pask.kv import cache, native_attention
     from pask.runtime import masked_head
     from pask.runtime import scheduler as sched
@@ -88,6 +88,7 @@ def install(timers: Timers, concurrency: int) -> None:
     cache.TieredCache.apply_many = timers.wrap("decide_row", cache.TieredCache.apply_many)  # a step's moves
     mq.Qwen2RMSNorm.forward = timers.wrap("rmsnorm", mq.Qwen2RMSNorm.forward)
     native_norm.NativeRMSNorm.forward = timers.wrap("rmsnorm", native_norm.NativeRMSNorm.forward)
+    native_rotary.install()  # before the timer wraps it (the model's load leaves an installed module as it is)
     mq.apply_rotary_pos_emb = timers.wrap("rotary", mq.apply_rotary_pos_emb)
     mq.Qwen2Model.forward = timers.wrap("forward", mq.Qwen2Model.forward)
     step = sched.Scheduler.step

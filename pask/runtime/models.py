@@ -487,7 +487,7 @@ def load_model(
 def _load_model(name_or_path: str, dtype: torch.dtype, attn_implementation: str, weights: str = "bf16") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pask.cpu import native_norm
+    from pask.cpu import native_norm, native_rotary
     from pask.cpu import weights as wfmt
 
     path, display = resolve_model_dir(name_or_path)
@@ -507,5 +507,6 @@ def _load_model(name_or_path: str, dtype: torch.dtype, attn_implementation: str,
     model.pask_load_seconds = time.perf_counter() - t0
     model.pask_weights = wfmt.apply(model, weights)  # quantised linears (int8 / int4)
     model.pask_native_norms = native_norm.apply(model)  # bf16 RMSNorm in one native call (same bits)
+    model.pask_native_rotary = native_rotary.install()  # bf16 rotary embedding in one native call (same bits)
     model._pask_fingerprint = _fingerprint(model, path, weights)  # read by the prefill store
     return LoadedModel(name=display, model=model, tokenizer=tok, fingerprint=model._pask_fingerprint)
