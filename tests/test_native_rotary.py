@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pask.cpu import native_rotary as nr
 from pask.cpu.native import NativeKernelError
+from tests.test_native_norm import _model  # a two-layer Qwen2
 
 ORIGINAL = nr._ORIGINAL.get(mq.__name__, mq.apply_rotary_pos_emb)  # transformers' own function
 
@@ -84,17 +85,6 @@ def test_other_inputs_take_the_replaced_function():
             continue
         for g, w in zip(rotary(*args), want, strict=True):
             assert torch.equal(g, w)
-
-
-def _model(dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(cfg).to(dtype).eval()
 
 
 def test_install_keeps_a_models_logits_and_is_undone_by_uninstall(monkeypatch):

@@ -1,5 +1,5 @@
-// Pieces shared by pask's native kernels (pask/kv/native_attention.cpp, pask/native_gemv.cpp):
-// included by both; pask/native.py hashes it into each library's build key.
+// Pieces shared by pask's native kernels (native_attention.cpp, native_gemv.cpp, native_norm.cpp, native_rotary.cpp):
+// included by each; pask/cpu/native.py hashes it into each library's build key.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +20,16 @@ inline float bf2f(uint16_t x) {  // bf16 -> fp32 (exact: a shift)
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// fp32 -> bf16 as c10::BFloat16 rounds (to nearest even; a NaN -> the quiet NaN 0x7FC0): the
+// kernels that reproduce PyTorch's bf16 ops bit for bit (native_norm.cpp, native_rotary.cpp).
+inline uint16_t f2bf_torch(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (f != f) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
 }
 
 #if defined(__AVX512F__)

@@ -16,14 +16,7 @@
 namespace {
 
 using pask_native::bf2f;
-
-inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16 (NaN -> quiet NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+constexpr auto f2bf = pask_native::f2bf_torch;
 
 int ceil_log2(int64_t x) {  // c10::utils::CeilLog2
   if (x <= 2) return x <= 1 ? 0 : 1;

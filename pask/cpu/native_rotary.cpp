@@ -14,14 +14,7 @@
 namespace {
 
 using pask_native::bf2f;
-
-inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16 (NaN -> quiet NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+constexpr auto f2bf = pask_native::f2bf_torch;
 
 // x [B, H, S, D] (strides in elements, the last 1), cos / sin [CB, S, D] contiguous (CB = B, or 1:
 // shared by every batch row) -> out [B, H, S, D] contiguous.
