@@ -115,40 +115,32 @@ class MaskedHead:
         for i, idx in enumerate(plan):
             if idx is None or idx.numel() == 0:
                 continue
-            rows = self._rows(idx)
-            self.bytes_read += self._gathered_bytes(idx)
+            rows, nbytes = self._rows(idx)
+            self.bytes_read += nbytes
             logits = rows @ x[i, 0].float()
             if bias is not None:
-                logits = logits + bias[idx].float()
+                b = bias[idx]
+                self.bytes_read += b.numel() * b.element_size()
+                logits = logits + b.float()
             out[i, 0, idx] = logits.to(out.dtype)
         self.narrow_rows += len(plan) - len(wide)
         self.full_rows += len(wide)
         return out
 
-    def _gathered_bytes(self, idx: torch.Tensor) -> int:
-        """Bytes :meth:`_rows` reads for ``idx``: the rows (of the fp32 copy where there is one), or
-        a quantised head's blocks of 16 outputs that hold them, codes and scales; and their biases."""
-        head = self.head
-        bias = 0 if head.bias is None else idx.numel() * head.bias.element_size()
-        if isinstance(head, torch.nn.Linear):
-            w = head._buffers.get("pask_weight_fp32")
-            w = head.weight if w is None else w
-            return idx.numel() * w.shape[1] * w.element_size() + bias
-        blocks = torch.unique(idx // 16).numel()
-        per_block = (head.codes[0].numel() * head.codes.element_size()) + head.sz[0].numel() * head.sz.element_size()
-        return blocks * per_block + bias
-
-    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
+    def _rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The fp32 rows ``idx`` of the head's weight (a quantised head: its blocks of 16 outputs that
-        hold them gathered and dequantised to bf16 first, as its prefill path does)."""
+        hold them gathered and dequantised to bf16 first, as its prefill path does), and the bytes
+        read for them: the rows gathered (of the fp32 copy where there is one), or the blocks' codes
+        and scales."""
         head = self.head
         if isinstance(head, torch.nn.Linear):
             w32 = head._buffers.get("pask_weight_fp32")
-            return (w32 if w32 is not None else head.weight)[idx].float()
+            rows = (w32 if w32 is not None else head.weight)[idx]
+            return rows.float(), rows.numel() * rows.element_size()
         from pask.cpu import native_gemv
 
         blocks = torch.unique(idx // 16)  # the blocks gathered, then dequantised in one call
         codes, sz = head.codes.index_select(0, blocks), head.sz.index_select(0, blocks)
         deq = native_gemv.dequant(codes, sz, 16 * blocks.numel(), head.bits)
         pos = torch.searchsorted(blocks, idx // 16) * 16 + idx % 16
-        return deq[pos].float()
+        return deq[pos].float(), codes.numel() * codes.element_size() + sz.numel() * sz.element_size()
